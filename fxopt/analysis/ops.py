@@ -1,0 +1,203 @@
+"""Recognise an op in any of the forms a graph can hold it, as one record.
+
+The same convolution reaches fxopt as a `call_module` to an `nn.Conv2d` (symbolic_trace), as
+`F.conv2d(x, self.weight, ...)` with `get_attr` weights (functional models), or as
+`torch.conv2d(x, weight_placeholder, ...)` where parameters are graph inputs (TorchDynamo).
+`match_conv`, `match_linear` and `match_batch_norm` turn each into a record whose tensor fields
+are `TensorRef`s, so a pass is written once for all forms.
+
+A `TensorRef` is either an `fx.Node` (get_attr or placeholder) or the qualified name of a
+module attribute (`"layer1.conv.weight"`) for the `call_module` form.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+TensorRef = Union[fx.Node, str]
+
+_BATCH_NORM_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+_CONV_MODULES = {
+    torch.nn.Conv1d: (1, False), torch.nn.Conv2d: (2, False), torch.nn.Conv3d: (3, False),
+    torch.nn.ConvTranspose1d: (1, True), torch.nn.ConvTranspose2d: (2, True), torch.nn.ConvTranspose3d: (3, True),
+}
+_CONV_FUNCTIONS = {
+    F.conv1d: (1, False), F.conv2d: (2, False), F.conv3d: (3, False),
+    torch.conv1d: (1, False), torch.conv2d: (2, False), torch.conv3d: (3, False),
+    F.conv_transpose1d: (1, True), F.conv_transpose2d: (2, True), F.conv_transpose3d: (3, True),
+    torch.conv_transpose1d: (1, True), torch.conv_transpose2d: (2, True), torch.conv_transpose3d: (3, True),
+}
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_T_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+_CONV_DEFAULTS = dict(bias=None, stride=1, padding=0, dilation=1, groups=1, output_padding=0)
+# The two batch-norm entry points order their arguments differently.
+_BN_FUNCTIONS = {
+    F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+    torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
+                       "cudnn_enabled"),
+}
+_BN_DEFAULTS = dict(weight=None, bias=None, training=False, momentum=0.1, eps=1e-5)
+_LINEAR_FUNCTIONS = (F.linear,)
+
+
+def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict) -> dict[str, Any]:
+    bound = dict(defaults)
+    bound.update(zip(names, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def _attr(target: str, name: str) -> str:
+    return f"{target}.{name}"
+
+
+def call_module_target(node: fx.Node, gm: fx.GraphModule) -> torch.nn.Module | None:
+    return gm.get_submodule(node.target) if node.op == "call_module" else None
+
+
+@dataclasses.dataclass
+class ConvCall:
+    node: fx.Node
+    input: fx.Node
+    weight: TensorRef
+    bias: TensorRef | None
+    spatial_dims: int
+    transposed: bool
+    stride: Any
+    padding: Any
+    dilation: Any
+    groups: int
+    output_padding: Any
+    module: torch.nn.Module | None = None
+    unsupported: str = ""  # non-empty: a form we recognise but must not rewrite, and why
+
+    @property
+    def function(self):
+        """The functional op computing this convolution."""
+        name = f"conv_transpose{self.spatial_dims}d" if self.transposed else f"conv{self.spatial_dims}d"
+        return getattr(F, name)
+
+    def functional_args(self, x, weight, bias) -> tuple:
+        if self.transposed:
+            return (x, weight, bias, self.stride, self.padding, self.output_padding, self.groups, self.dilation)
+        return (x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+def match_conv(node: fx.Node, gm: fx.GraphModule) -> ConvCall | None:
+    module = call_module_target(node, gm)
+    if module is not None:
+        kind = _CONV_MODULES.get(type(module))
+        if kind is None or not node.args:
+            return None
+        unsupported = ""
+        if getattr(module, "padding_mode", "zeros") != "zeros":
+            unsupported = f"padding_mode={module.padding_mode!r}"
+        elif len(node.args) > 1 or node.kwargs:
+            unsupported = "called with output_size"
+        return ConvCall(node, node.args[0], _attr(node.target, "weight"),
+                        _attr(node.target, "bias") if module.bias is not None else None, kind[0], kind[1],
+                        module.stride, module.padding, module.dilation, module.groups,
+                        getattr(module, "output_padding", 0), module, unsupported)
+    if node.op != "call_function" or node.target not in _CONV_FUNCTIONS:
+        return None
+    dims, transposed = _CONV_FUNCTIONS[node.target]
+    b = _bind(node, _CONV_T_ARGS if transposed else _CONV_ARGS, _CONV_DEFAULTS)
+    return ConvCall(node, b["input"], b["weight"], b["bias"], dims, transposed, b["stride"], b["padding"],
+                    b["dilation"], b["groups"], b["output_padding"])
+
+
+@dataclasses.dataclass
+class LinearCall:
+    node: fx.Node
+    input: fx.Node
+    weight: TensorRef
+    bias: TensorRef | None
+    module: torch.nn.Module | None = None
+
+
+def match_linear(node: fx.Node, gm: fx.GraphModule) -> LinearCall | None:
+    module = call_module_target(node, gm)
+    if module is not None:
+        if type(module) is not torch.nn.Linear or len(node.args) != 1:
+            return None
+        bias = _attr(node.target, "bias") if module.bias is not None else None
+        return LinearCall(node, node.args[0], _attr(node.target, "weight"), bias, module)
+    if node.op != "call_function" or node.target not in _LINEAR_FUNCTIONS:
+        return None
+    b = _bind(node, ("input", "weight", "bias"), {"bias": None})
+    return LinearCall(node, b["input"], b["weight"], b["bias"])
+
+
+@dataclasses.dataclass
+class BatchNormCall:
+    node: fx.Node
+    input: fx.Node
+    running_mean: TensorRef | None
+    running_var: TensorRef | None
+    weight: TensorRef | None
+    bias: TensorRef | None
+    training: Any  # bool, or a Node when it is computed in the graph
+    eps: Any
+    module: torch.nn.Module | None = None
+
+    @property
+    def uses_running_stats(self) -> bool:
+        return self.training is False and self.running_mean is not None and self.running_var is not None
+
+
+def match_batch_norm(node: fx.Node, gm: fx.GraphModule) -> BatchNormCall | None:
+    module = call_module_target(node, gm)
+    if module is not None:
+        if not isinstance(module, _BATCH_NORM_MODULES):
+            return None
+        t = node.target
+        has_stats = module.running_mean is not None
+        # An eval-mode BN without running stats normalises with batch statistics, like training.
+        training = module.training or not has_stats
+        return BatchNormCall(node, node.args[0], _attr(t, "running_mean") if has_stats else None,
+                             _attr(t, "running_var") if has_stats else None,
+                             _attr(t, "weight") if module.affine else None,
+                             _attr(t, "bias") if module.affine else None, training, module.eps, module)
+    if node.op != "call_function" or node.target not in _BN_FUNCTIONS:
+        return None
+    b = _bind(node, _BN_FUNCTIONS[node.target], _BN_DEFAULTS)
+    return BatchNormCall(node, b["input"], b["running_mean"], b["running_var"], b["weight"], b["bias"],
+                         b["training"], b["eps"])
+
+
+def resolve(ref: TensorRef | None, gm: fx.GraphModule) -> torch.Tensor | None:
+    """The real tensor behind a module-attribute or get_attr reference (None for placeholders)."""
+    if ref is None:
+        return None
+    if isinstance(ref, str):
+        return gm.get_parameter(ref) if _is_param(gm, ref) else gm.get_buffer(ref)
+    if ref.op == "get_attr":
+        *path, name = ref.target.split(".")
+        owner = gm.get_submodule(".".join(path))
+        return getattr(owner, name)
+    return None
+
+
+def _is_param(gm: fx.GraphModule, qualified: str) -> bool:
+    owner, _, name = qualified.rpartition(".")
+    return name in gm.get_submodule(owner)._parameters
+
+
+def materialize(ref: TensorRef | None, gm: fx.GraphModule) -> fx.Node | None:
+    """A graph node for `ref`, inserting a get_attr for module attributes (call inside inserting_*)."""
+    if ref is None or isinstance(ref, fx.Node):
+        return ref
+    return gm.graph.get_attr(ref)
+
+
+def is_constant(ref: TensorRef | None, constant_inputs: frozenset[str]) -> bool:
+    """True for parameters and buffers: module attributes, get_attr nodes, or parameter placeholders."""
+    if ref is None or isinstance(ref, str):
+        return True
+    if not isinstance(ref, fx.Node):
+        return False
+    return ref.op == "get_attr" or (ref.op == "placeholder" and ref.name in constant_inputs)

@@ -1,0 +1,146 @@
+"""Capture: turn a model into torch.fx graphs, as much of it as can be traced.
+
+`capture(model, example_inputs)` returns a `Capture`: the module to hand back (a GraphModule
+when the whole model traced, else a copy of the module tree whose traceable parts are
+GraphModules), each graph with the example inputs of its placeholders, and the modules that
+stayed opaque, with the reason. The caller's model is never modified: module containers on
+the way to a replaced child are shallow copies; leaf modules and parameters are shared.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+
+import torch
+import torch.fx as fx
+
+from ..errors import FxoptError
+from .specialized import SpecializedCall, is_specializable
+from .state import record_submodule_calls
+from .tracer import OpaqueModule, trace_with_opaque_leaves
+
+__all__ = ["Capture", "CapturedGraph", "OpaqueModule", "capture"]
+
+
+@dataclasses.dataclass
+class CapturedGraph:
+    """One traced graph: where it sits in the result, and the example values of its placeholders."""
+
+    path: str
+    gm: fx.GraphModule
+    example_inputs: tuple
+
+
+@dataclasses.dataclass
+class Capture:
+    module: torch.nn.Module
+    graphs: list[CapturedGraph]
+    opaque: list[OpaqueModule]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _carry_unused_state(root: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """Give `gm` every parameter and buffer of `root` it does not reference, so state_dict keys match."""
+    have = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    have |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+    for name, tensor in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+        if name in have:
+            continue
+        *parents, attr = name.split(".")
+        src_owner, dst_owner = root, gm
+        for part in parents:
+            src_owner = getattr(src_owner, part)
+            if not hasattr(dst_owner, part):
+                dst_owner.add_module(part, torch.nn.Module())
+            dst_owner = getattr(dst_owner, part)
+        if isinstance(tensor, torch.nn.Parameter):
+            dst_owner.register_parameter(attr, tensor)
+        else:
+            dst_owner.register_buffer(attr, tensor, persistent=attr not in src_owner._non_persistent_buffers_set)
+
+
+def _split_arguments(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Bind a recorded call: (placeholder values in order, fixed non-tensor values), or a reason it can't be traced."""
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    values, fixed = [], {}
+    for name, value in bound.arguments.items():
+        param = bound.signature.parameters[name]
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            if value:
+                return None, None, f"takes *args/**kwargs ({name})"
+            continue
+        if not isinstance(value, torch.Tensor):
+            if not is_specializable(value):
+                return None, None, f"argument {name!r} is a {type(value).__name__}"
+            fixed[name] = value
+        values.append(value)
+    return tuple(values), fixed, ""
+
+
+class _Capturer:
+    def __init__(self, model: torch.nn.Module, example_inputs: tuple):
+        self.model = model
+        self.example_inputs = example_inputs
+        self.graphs: list[CapturedGraph] = []
+        self.opaque: list[OpaqueModule] = []
+        self._calls = None
+
+    @property
+    def calls(self):
+        if self._calls is None:
+            self._calls = record_submodule_calls(self.model, self.example_inputs)
+        return self._calls
+
+    def capture_call(self, module, path: str, args: tuple, kwargs: dict) -> torch.nn.Module:
+        """Capture `module` as called with (args, kwargs); return what should stand in its place."""
+        values, fixed, why_not = _split_arguments(module, args, kwargs)
+        if why_not:
+            self.opaque.append(OpaqueModule(path, type(module).__name__, why_not))
+            return self.capture_children(module, path)
+        gm, opaque = trace_with_opaque_leaves(module, concrete_args=fixed or None)
+        if gm is None:
+            self.opaque.append(dataclasses.replace(opaque[0], path=path))
+            return self.capture_children(module, path)
+        _carry_unused_state(module, gm)
+        self.graphs.append(CapturedGraph(path, gm, values))
+        for leaf in opaque:
+            self.opaque.append(dataclasses.replace(leaf, path=_join(path, leaf.path)))
+            original = gm.get_submodule(leaf.path)
+            replacement = self.capture_children(original, _join(path, leaf.path))
+            if replacement is not original:
+                parent, _, name = leaf.path.rpartition(".")
+                setattr(gm.get_submodule(parent), name, replacement)
+        return SpecializedCall(gm, module, fixed) if fixed else gm
+
+    def capture_children(self, module: torch.nn.Module, path: str) -> torch.nn.Module:
+        """A shallow copy of `module` whose called children are captured (or `module` if none was)."""
+        replaced = {}
+        for name, child in module.named_children():
+            child_path = _join(path, name)
+            if child_path not in self.calls:
+                continue
+            args, kwargs = self.calls[child_path]
+            new_child = self.capture_call(child, child_path, args, kwargs)
+            if new_child is not child:
+                replaced[name] = new_child
+        if not replaced:
+            return module
+        shell = copy.copy(module)
+        shell._modules = {**module._modules, **replaced}
+        return shell
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple) -> Capture:
+    if not isinstance(model, torch.nn.Module):
+        raise FxoptError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    capturer = _Capturer(model, example_inputs)
+    result = capturer.capture_call(model, "", example_inputs, {})
+    if not capturer.graphs:
+        reasons = "; ".join(f"{o.path or '<model>'} ({o.type}): {o.reason}" for o in capturer.opaque[:5])
+        raise FxoptError(f"nothing in {type(model).__name__} could be traced: {reasons}")
+    return Capture(result, capturer.graphs, capturer.opaque)

@@ -1,0 +1,1 @@
+"""Front ends: the Python API, the command line and the torch.compile backend."""

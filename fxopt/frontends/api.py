@@ -1,0 +1,59 @@
+"""`fxopt.optimize`: capture a model, run the pipeline, return the optimized module with its report."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..analysis.shapes import propagate_shapes
+from ..capture import capture
+from ..errors import FxoptError
+from ..passes import PASSES
+from ..passes.base import PassContext
+from ..pipeline.instruments import Instrument
+from ..pipeline.manager import PassManager
+from ..pipeline.pipelines import build_pipeline, resolve_mode
+from ..pipeline.verify import Verifier
+
+
+def normalize_inputs(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, list):
+        example_inputs = tuple(example_inputs)
+    if not isinstance(example_inputs, tuple) or not example_inputs:
+        raise FxoptError("example_inputs must be a tensor or a non-empty tuple of tensors, "
+                         f"got {type(example_inputs).__name__}")
+    return example_inputs
+
+
+def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", passes: Sequence[str] | None = None,
+             verify: bool = False, instruments: Sequence[Instrument] = (), **pass_options) -> torch.nn.Module:
+    """Optimize `model` for `example_inputs`; the result carries `.fxopt_report`.
+
+    mode: "inference", "training", or "auto" (training if `model.training`).
+    passes: pass names to run in order; None runs the default pipeline for the mode.
+    verify: compare the optimized model with the original after every pass (outputs; in
+        training also gradients and buffers) and raise FxoptError at the first mismatch.
+    instruments: observers of the pipeline (fxopt.pipeline.instruments).
+    pass_options: options for the selected passes, e.g. memory_budget=0.5.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise FxoptError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    example_inputs = normalize_inputs(example_inputs)
+    mode = resolve_mode(mode, model.training)
+    pipeline = build_pipeline(mode, passes, pass_options)
+    captured = capture(model, example_inputs)
+    for g in captured.graphs:
+        propagate_shapes(g.gm, g.example_inputs)
+    verifier = Verifier(model, example_inputs, training=mode == "training") if verify else None
+    ctx = PassContext(mode, dict(pass_options))
+    report = PassManager(pipeline, instruments, verifier).run(captured.module, captured.graphs, ctx)
+    report.opaque = captured.opaque
+    result = captured.module
+    result.fxopt_report = report
+    return result
+
+
+def available_passes() -> list[str]:
+    return list(PASSES)

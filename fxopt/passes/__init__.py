@@ -1,0 +1,7 @@
+"""The pass registry: every pass fxopt has, by name, in one explicit table."""
+from __future__ import annotations
+
+from .base import Pass
+from .fold_conv_bn import FoldConvBN
+
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (FoldConvBN,)}

@@ -1,0 +1,80 @@
+"""What a pass is: a small object with a name, a summary, the options it takes and one `run`.
+
+`run` rewrites the GraphModule in place and returns a `PassResult` saying what it changed
+and what it refused, site by site, with a reason. It never returns None.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any, ClassVar
+
+import torch.fx as fx
+
+INFERENCE = "inference"
+TRAINING = "training"
+MODES = (INFERENCE, TRAINING)
+
+
+@dataclasses.dataclass
+class Site:
+    """One place a pass looked at: what it did there (`action`), where, and why."""
+
+    action: str  # e.g. "folded", "refused", "inplaced", "checkpointed", "pruned"
+    node: str  # the graph node the decision is about
+    reason: str = ""  # a short machine-readable reason, e.g. "conv_has_other_users"
+    detail: str = ""  # a human sentence
+
+    @property
+    def refused(self) -> bool:
+        return self.action == "refused"
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What one run of a pass did: counters, one record per site, and free-form figures."""
+
+    sites: list[Site] = dataclasses.field(default_factory=list)
+    stats: Counter = dataclasses.field(default_factory=Counter)
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    skipped: str = ""  # non-empty when the whole pass did not apply, with the reason
+
+    @property
+    def changed(self) -> bool:
+        return any(not s.refused for s in self.sites)
+
+    def record(self, action: str, node: fx.Node | str, reason: str = "", detail: str = "") -> None:
+        """Note one site and count it under `action` (or `refused_<reason>`)."""
+        name = node.name if isinstance(node, fx.Node) else str(node)
+        self.sites.append(Site(action, name, reason, detail))
+        self.stats[f"refused_{reason}" if action == "refused" else action] += 1
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass may know beyond the graph: the mode, its options, and where parameters live.
+
+    `constant_inputs` names placeholders that hold parameters or buffers (the Dynamo form,
+    where parameters are graph inputs); in the module form parameters are attributes.
+    """
+
+    mode: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    constant_inputs: frozenset[str] = frozenset()
+    frontend: str = "api"  # "api" (eager result) or "backend" (handed on to torch.compile)
+
+
+class Pass:
+    """Base class: subclasses set the class attributes and implement `run`."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    modes: ClassVar[tuple[str, ...]] = MODES
+    # option name -> (default, one-line help)
+    options: ClassVar[dict[str, tuple[Any, str]]] = {}
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:  # pragma: no cover
+        raise NotImplementedError
+
+    def option(self, ctx: PassContext, name: str):
+        return ctx.options.get(name, self.options[name][0])

@@ -1,0 +1,1 @@
+"""Pipeline: the pass manager, default pipelines, instruments, verification and the report."""

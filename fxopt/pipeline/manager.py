@@ -1,0 +1,76 @@
+"""Run passes in order over every captured graph, checking the graph after each one.
+
+After each pass: `graph.lint()`, `recompile()`, shapes re-propagated if the graph changed, the
+instruments called, and (with a verifier) the whole model compared with the original. An
+exception inside a pass is re-raised as FxoptError naming that pass and the ones before it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from ..analysis.shapes import propagate_shapes
+from ..capture import CapturedGraph
+from ..errors import FxoptError
+from ..passes.base import Pass, PassContext
+from .instruments import Instrument
+from .report import PassReport, Report
+from .verify import Verifier
+
+
+class PassManager:
+    def __init__(self, passes: Sequence[Pass], instruments: Sequence[Instrument] = (),
+                 verifier: Verifier | None = None):
+        self.passes = list(passes)
+        self.instruments = list(instruments)
+        self.verifier = verifier
+
+    def run(self, module: torch.nn.Module, graphs: Sequence[CapturedGraph], ctx: PassContext) -> Report:
+        report = Report(ctx.mode, graphs=[g.path for g in graphs])
+        by_path = {g.path: g.gm for g in graphs}
+        for instrument in self.instruments:
+            instrument.start(by_path)
+        for index, p in enumerate(self.passes, start=1):
+            entry = PassReport(p.name)
+            code_before = {path: gm.code for path, gm in by_path.items()}
+            for g in graphs:
+                self._run_one(p, g, ctx, entry, done=[q.name for q in self.passes[:index - 1]])
+            if self.verifier is not None:
+                entry.max_abs_diff = self.verifier.check(module, p.name)
+            report.passes.append(entry)
+            for instrument in self.instruments:
+                instrument.after_pass(index, entry, code_before, by_path)
+        return report
+
+    @staticmethod
+    def _run_one(p: Pass, g: CapturedGraph, ctx: PassContext, entry: PassReport, done: list[str]) -> None:
+        gm: fx.GraphModule = g.gm
+        nodes_before = len(gm.graph.nodes)
+        start = time.perf_counter()
+        try:
+            result = p.run(gm, ctx)
+            gm.graph.lint()
+            gm.recompile()
+        except FxoptError:
+            raise
+        except Exception as e:
+            after = f" (after {', '.join(done)})" if done else " (the first pass)"
+            where = f" on graph {g.path!r}" if g.path else ""
+            raise FxoptError(f"pass {p.name!r} failed{where}{after}: {type(e).__name__}: {e}") from e
+        if result.changed:
+            propagate_shapes(gm, g.example_inputs)
+        entry.seconds += time.perf_counter() - start
+        entry.nodes_before += nodes_before
+        entry.nodes_after += len(gm.graph.nodes)
+        entry.stats.update(result.stats)
+        prefix = f"{g.path}:" if g.path else ""
+        for site in result.sites:
+            site.node = prefix + site.node
+        entry.sites.extend(result.sites)
+        for key, value in result.figures.items():
+            entry.figures[key] = entry.figures.get(key, 0) + value if isinstance(value, (int, float)) else value
+        if result.skipped:
+            entry.skipped = result.skipped

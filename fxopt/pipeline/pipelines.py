@@ -1,0 +1,44 @@
+"""Default pipelines, one literal tuple per mode, and the checks on what a caller asked for."""
+from __future__ import annotations
+
+from ..errors import FxoptError
+from ..passes import PASSES
+from ..passes.base import MODES, Pass
+
+DEFAULT_PIPELINES: dict[str, tuple[str, ...]] = {
+    "inference": ("fold_conv_bn",),
+    "training": ("fold_conv_bn",),
+}
+
+# Passes in a default pipeline that run only when the caller gives this option.
+ONLY_WITH_OPTION = {"checkpoint_activations": "memory_budget"}
+
+
+def resolve_mode(mode: str, training_flag: bool) -> str:
+    if mode == "auto":
+        return "training" if training_flag else "inference"
+    if mode not in MODES:
+        raise FxoptError(f"unknown mode {mode!r}; expected one of: auto, {', '.join(MODES)}")
+    return mode
+
+
+def build_pipeline(mode: str, names, options: dict) -> list[Pass]:
+    """Instantiate the passes to run; unknown names, wrong modes and stray options are errors."""
+    if names is None:
+        names = [n for n in DEFAULT_PIPELINES[mode] if ONLY_WITH_OPTION.get(n, "") in ("", *options)]
+    elif isinstance(names, str):
+        names = [names]
+    unknown = [n for n in names if n not in PASSES]
+    if unknown:
+        raise FxoptError(f"unknown pass {unknown[0]!r}; available passes: {', '.join(PASSES)}")
+    passes = [PASSES[n]() for n in names]
+    for p in passes:
+        if mode not in p.modes:
+            raise FxoptError(f"pass {p.name!r} does not run in {mode} mode (it runs in: {', '.join(p.modes)})")
+    accepted = {opt for p in passes for opt in p.options}
+    stray = sorted(set(options) - accepted)
+    if stray:
+        raise FxoptError(f"option {stray[0]!r} is not taken by any selected pass "
+                         f"({', '.join(p.name for p in passes) or 'none'}); options they take: "
+                         f"{', '.join(sorted(accepted)) or 'none'}")
+    return passes

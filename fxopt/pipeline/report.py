@@ -1,0 +1,85 @@
+"""The report fxopt attaches to every optimized model: what each pass changed, refused, and why."""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+from tabulate import tabulate
+
+from ..capture import OpaqueModule
+from ..passes.base import Site
+
+
+@dataclasses.dataclass
+class PassReport:
+    """One pass over every captured graph of the model."""
+
+    name: str
+    seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    stats: Counter = dataclasses.field(default_factory=Counter)
+    sites: list[Site] = dataclasses.field(default_factory=list)
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    skipped: str = ""
+    max_abs_diff: float | None = None  # set by verify=True
+
+    @property
+    def changed(self) -> bool:
+        return any(not s.refused for s in self.sites)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stats"] = dict(self.stats)
+        d["changed"] = self.changed
+        return d
+
+
+@dataclasses.dataclass
+class Report:
+    mode: str
+    passes: list[PassReport] = dataclasses.field(default_factory=list)
+    opaque: list[OpaqueModule] = dataclasses.field(default_factory=list)
+    graphs: list[str] = dataclasses.field(default_factory=list)  # where each captured graph sits
+
+    def __getitem__(self, name: str) -> PassReport:
+        for p in self.passes:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "graphs": list(self.graphs),
+            "opaque_modules": [dataclasses.asdict(o) for o in self.opaque],
+            "passes": [p.to_dict() for p in self.passes],
+        }
+
+    def summary_table(self) -> str:
+        rows = []
+        for p in self.passes:
+            stats = ", ".join(f"{k}: {v}" for k, v in sorted(p.stats.items())) or (p.skipped and f"skipped: {p.skipped}") or "-"
+            row = [p.name, f"{p.nodes_before} → {p.nodes_after}", stats, f"{p.seconds * 1e3:.1f} ms"]
+            if p.max_abs_diff is not None:
+                row.append(f"{p.max_abs_diff:.2e}")
+            rows.append(row)
+        headers = ["pass", "nodes", "what happened", "time"]
+        if any(p.max_abs_diff is not None for p in self.passes):
+            headers.append("max |diff|")
+        return tabulate(rows, headers=headers)
+
+    def sites_table(self) -> str:
+        rows = [[p.name, s.node, s.action, s.reason, s.detail] for p in self.passes for s in p.sites]
+        return tabulate(rows, headers=["pass", "node", "action", "reason", "detail"]) if rows else ""
+
+    def __str__(self) -> str:
+        parts = [f"fxopt report ({self.mode}, {len(self.graphs)} graph(s))", self.summary_table()]
+        if self.opaque:
+            rows = [[o.path or "<model>", o.type, o.reason] for o in self.opaque]
+            parts += ["", "Opaque modules (run unchanged):", tabulate(rows, headers=["module", "type", "why"])]
+        sites = self.sites_table()
+        if sites:
+            parts += ["", sites]
+        return "\n".join(parts)

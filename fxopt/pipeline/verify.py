@@ -1,0 +1,119 @@
+"""`verify=True`: after every pass, the optimized model must still compute what the original did.
+
+The reference runs once on a deep copy of the original model; each check runs a deep copy of
+the candidate, so neither run touches the caller's model, its buffers or its inputs. Both runs
+start from the same RNG seed (dropout draws the same masks). In training mode the check also
+runs backward with fixed random output gradients and compares every parameter's gradient and
+every buffer (BatchNorm running statistics) after the step.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import FxoptError
+
+SEED = 20261129
+
+
+def flatten_tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a nested output (tuples, lists, dicts, Hugging Face ModelOutputs), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in flatten_tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in flatten_tensors(v)]
+    return []
+
+
+@dataclasses.dataclass
+class StepResult:
+    tensors: dict[str, torch.Tensor]  # "output[i]", "grad:<param>", "buffer:<name>"
+    inputs_after: list[torch.Tensor]
+
+
+def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool) -> StepResult:
+    """One forward (and in training, backward) on copies; the caller's objects are untouched."""
+    model = copy.deepcopy(model)
+    inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+              for x in example_inputs]
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        with torch.set_grad_enabled(training):
+            outputs = flatten_tensors(model(*inputs))
+        for i, out in enumerate(outputs):
+            tensors[f"output[{i}]"] = out.detach()
+        if training:
+            gen = torch.Generator().manual_seed(SEED)
+            loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum()
+                       for o in outputs if o.requires_grad and o.is_floating_point())
+            if isinstance(loss, torch.Tensor):
+                loss.backward()
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    tensors[f"grad:{name}"] = p.grad
+            for i, x in enumerate(inputs):
+                if isinstance(x, torch.Tensor) and x.grad is not None:
+                    tensors[f"grad:input[{i}]"] = x.grad
+            for name, b in model.named_buffers():
+                tensors[f"buffer:{name}"] = b
+    return StepResult(tensors, [x for x in inputs if isinstance(x, torch.Tensor)])
+
+
+def max_difference(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], rtol: float, atol: float):
+    """(largest |diff|, name of the worst tensor, whether all are within tolerance); missing keys fail.
+
+    Tolerance is `atol * scale + rtol * |expected|`. The scale of an output or buffer is its own
+    largest magnitude; for gradients it is the largest gradient of the model, because a gradient
+    that is zero in exact arithmetic (a bias before a train-mode BatchNorm) is pure rounding noise
+    in float32 and has no scale of its own.
+    """
+    grad_scale = max([float(t.abs().max()) for n, t in ref.items()
+                      if n.startswith("grad:") and t.is_floating_point() and t.numel()] or [1.0])
+    worst, worst_name, ok = 0.0, "", True
+    for name, expected in ref.items():
+        actual = got.get(name)
+        if actual is None or actual.shape != expected.shape:
+            return float("inf"), name, False
+        if not expected.is_floating_point():
+            diff = float((actual != expected).sum())
+            close = diff == 0
+        else:
+            delta = (actual.double() - expected.double()).abs()
+            diff = float(delta.max()) if delta.numel() else 0.0
+            own_scale = float(expected.abs().max()) if expected.numel() else 0.0
+            scale = max(1.0, grad_scale if name.startswith("grad:") else own_scale)
+            close = bool((delta <= atol * scale + rtol * expected.double().abs()).all())
+        if not close and ok:
+            worst_name = name
+        elif ok and diff > worst:
+            worst_name = name
+        worst = max(worst, diff)
+        ok = ok and close
+    return worst, worst_name, ok
+
+
+class Verifier:
+    def __init__(self, original: torch.nn.Module, example_inputs: tuple, training: bool,
+                 rtol: float = 1e-4, atol: float = 1e-4):
+        self.example_inputs = example_inputs
+        self.training = training
+        self.rtol, self.atol = rtol, atol
+        self.reference = run_step(original, example_inputs, training).tensors
+
+    def check(self, candidate: torch.nn.Module, pass_name: str) -> float:
+        """Return the largest difference; raise FxoptError naming `pass_name` on a mismatch."""
+        got = run_step(candidate, self.example_inputs, self.training)
+        for i, (before, after) in enumerate(zip(self.example_inputs, got.inputs_after)):
+            if isinstance(before, torch.Tensor) and not torch.equal(before, after.detach()):
+                raise FxoptError(f"verification failed after pass {pass_name!r}: it mutated input {i}")
+        worst, name, ok = max_difference(self.reference, got.tensors, self.rtol, self.atol)
+        if not ok:
+            raise FxoptError(f"verification failed after pass {pass_name!r}: {name} differs from the original "
+                             f"model by up to {worst:.3g}")
+        return worst
