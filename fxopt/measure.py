@@ -1,0 +1,116 @@
+"""Measure what a step really costs on any device: peak live bytes, saved-for-backward bytes, FLOPs.
+
+CPU has no `torch.cuda.max_memory_allocated`. `measure_peak` counts the storages torch allocates
+while a step runs, through a dispatch mode, and frees them when their last reference dies
+(weak references on the storage, the way `torch.distributed._tools.mem_tracker` does). Storages
+that exist before the step (parameters, buffers, inputs) and the gradients left after it are not
+counted, so the figure is the activation + temporary memory of the step, deterministic on CPU.
+
+These are measurements for tests, benchmarks and the CLI; passes use estimates (fxopt.analysis).
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+
+class _LiveStorageMode(TorchDispatchMode):
+    """Logs (+bytes, key) when an op creates a storage and (-bytes, key) when it dies."""
+
+    def __init__(self, preexisting: set[int]):
+        super().__init__()
+        self.preexisting = preexisting
+        self.seen: dict[int, weakref.ref] = {}
+        self.events: list[tuple[int, int]] = []
+
+    def _freed(self, key: int, nbytes: int, _ref) -> None:
+        self.seen.pop(key, None)
+        self.events.append((-nbytes, key))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            nbytes = storage.nbytes()
+            if key in self.seen or key in self.preexisting or nbytes == 0:
+                continue
+            self.seen[key] = weakref.ref(storage, lambda ref, k=key, n=nbytes: self._freed(k, n, ref))
+            self.events.append((nbytes, key))
+        return out
+
+
+def _storage_ids(tensors) -> set[int]:
+    return {id(t.untyped_storage()) for t in tensors if isinstance(t, torch.Tensor)}
+
+
+def measure_peak(step: Callable[[], object], module: torch.nn.Module, inputs: tuple = ()) -> int:
+    """Peak bytes of storages created by `step()` and alive at once, gradients excluded."""
+    preexisting = _storage_ids([*module.parameters(), *module.buffers(), *inputs])
+    keep = [t.untyped_storage() for t in [*module.parameters(), *module.buffers(), *inputs]
+             if isinstance(t, torch.Tensor)]  # ids are only unique while alive
+    mode = _LiveStorageMode(preexisting)
+    with mode:
+        result = step()
+    grads = _storage_ids([p.grad for p in module.parameters() if p.grad is not None])
+    grads |= _storage_ids([x.grad for x in inputs if isinstance(x, torch.Tensor) and x.grad is not None])
+    del result
+    live = peak = 0
+    for delta, key in mode.events:
+        if key in grads:
+            continue
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def measure_saved_bytes(forward: Callable[[], object], module: torch.nn.Module | None = None) -> int:
+    """Bytes autograd keeps for backward after `forward()`, each storage counted once.
+
+    With `module`, its parameters and buffers are not counted (they live anyway).
+    """
+    storages: dict[int, int] = {}
+    keep = []
+    excluded = _storage_ids([*module.parameters(), *module.buffers()]) if module is not None else set()
+
+    def pack(t: torch.Tensor):
+        s = t.untyped_storage()
+        keep.append(s)
+        if id(s) not in excluded:
+            storages[id(s)] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(storages.values())
+
+
+@dataclasses.dataclass
+class StepCost:
+    peak_bytes: int
+    flops: int
+
+
+def measure_training_step(model: torch.nn.Module, inputs: tuple, loss_fn=None) -> StepCost:
+    """Peak memory and FLOPs of forward + backward of `model(*inputs)` (grads cleared first)."""
+    loss_fn = loss_fn or (lambda out: sum(t.float().sum() for t in tree_leaves(out)
+                                          if isinstance(t, torch.Tensor) and t.requires_grad))
+
+    def step():
+        loss_fn(model(*inputs)).backward()
+
+    model.zero_grad(set_to_none=True)
+    peak = measure_peak(step, model, inputs)
+    model.zero_grad(set_to_none=True)
+    with FlopCounterMode(display=False) as counter:
+        step()
+    model.zero_grad(set_to_none=True)
+    return StepCost(peak, counter.get_total_flops())
