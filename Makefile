@@ -3,7 +3,7 @@
 PY ?= python3
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-test demo test test-slow bench
+.PHONY: install install-test demo test test-slow
 install:
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e .
