@@ -56,3 +56,16 @@ def fake_tensor_prop(gm, mode):
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     return FakeTensorProp(gm, mode)
+
+
+def dispatch_mode_base():
+    """The base class of Python dispatch modes (torch.utils._python_dispatch.TorchDispatchMode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def tree_leaves(tree) -> list:
+    from torch.utils._pytree import tree_leaves as _leaves
+
+    return _leaves(tree)

@@ -15,12 +15,12 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from ._torch_private import dispatch_mode_base, tree_leaves
 
-class _LiveStorageMode(TorchDispatchMode):
+
+class _LiveStorageMode(dispatch_mode_base()):
     """Logs (+bytes, key) when an op creates a storage and (-bytes, key) when it dies."""
 
     def __init__(self, preexisting: set[int]):
