@@ -69,3 +69,11 @@ def tree_leaves(tree) -> list:
     from torch.utils._pytree import tree_leaves as _leaves
 
     return _leaves(tree)
+
+
+def module_hooks(module: torch.nn.Module) -> list[str]:
+    """The kinds of hook that run around a call of `module`: its own and the global ones."""
+    from torch.nn.modules import module as nn_module
+
+    kinds = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+    return [k for k in kinds if getattr(module, f"_{k}") or getattr(nn_module, f"_global_{k}")]

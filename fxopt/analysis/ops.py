@@ -21,6 +21,8 @@ import torch.nn.functional as F
 TensorRef = Union[fx.Node, str]
 
 _BATCH_NORM_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+# A subclass that overrides forward computes something else (it reaches us as an opaque leaf).
+_BATCH_NORM_FORWARDS = {m.forward for m in _BATCH_NORM_MODULES}
 _CONV_MODULES = {
     torch.nn.Conv1d: (1, False), torch.nn.Conv2d: (2, False), torch.nn.Conv3d: (3, False),
     torch.nn.ConvTranspose1d: (1, True), torch.nn.ConvTranspose2d: (2, True), torch.nn.ConvTranspose3d: (3, True),
@@ -152,7 +154,8 @@ class BatchNormCall:
 def match_batch_norm(node: fx.Node, gm: fx.GraphModule) -> BatchNormCall | None:
     module = call_module_target(node, gm)
     if module is not None:
-        if not isinstance(module, _BATCH_NORM_MODULES):
+        if not isinstance(module, _BATCH_NORM_MODULES) or type(module).forward not in _BATCH_NORM_FORWARDS \
+                or not node.args:
             return None
         t = node.target
         has_stats = module.running_mean is not None
@@ -173,18 +176,11 @@ def resolve(ref: TensorRef | None, gm: fx.GraphModule) -> torch.Tensor | None:
     """The real tensor behind a module-attribute or get_attr reference (None for placeholders)."""
     if ref is None:
         return None
-    if isinstance(ref, str):
-        return gm.get_parameter(ref) if _is_param(gm, ref) else gm.get_buffer(ref)
-    if ref.op == "get_attr":
-        *path, name = ref.target.split(".")
-        owner = gm.get_submodule(".".join(path))
-        return getattr(owner, name)
-    return None
-
-
-def _is_param(gm: fx.GraphModule, qualified: str) -> bool:
+    qualified = ref if isinstance(ref, str) else ref.target if ref.op == "get_attr" else None
+    if qualified is None:
+        return None
     owner, _, name = qualified.rpartition(".")
-    return name in gm.get_submodule(owner)._parameters
+    return getattr(gm.get_submodule(owner), name)
 
 
 def materialize(ref: TensorRef | None, gm: fx.GraphModule) -> fx.Node | None:

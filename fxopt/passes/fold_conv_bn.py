@@ -26,11 +26,17 @@ the conv weight and the BN affine parameters, and the BN input is no longer save
 inputs, so the fold follows later parameter updates and Inductor's freezing constant-folds it.
 
 When it refuses (reason in the report):
+  unsupported_conv      padding_mode other than zeros, or ConvTranspose called with output_size
+  module_hooks          the conv/linear or BN module has hooks (weight_norm, a feature hook) that
+                        folding would skip
   conv_has_other_users  the conv output is read by something besides the BN
   bn_training           the BN normalises with batch statistics (train mode, or no running stats)
   not_constant          a weight or statistic is computed in the graph rather than a parameter/buffer
-  unsupported_conv      padding_mode other than zeros, or ConvTranspose called with output_size
-  channel_axis_mismatch Linear output that is not 2-D, so BN's channel is not the feature axis
+  channel_axis_mismatch the layer's output channel is not dim 1: a conv on an unbatched input, or a
+                        Linear output that is not 2-D
+
+A BN module's train/eval flag is read when the pass runs, as in torch.fx's `fuse` and Inductor's
+freezing: calling `.train()` on the result later does not bring batch statistics back.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .. import _torch_private
 from ..analysis.ops import (BatchNormCall, ConvCall, LinearCall, is_constant, match_batch_norm, match_conv,
                             match_linear, materialize, resolve)
 from ..analysis.shapes import tensor_meta
@@ -65,20 +72,26 @@ def folded_conv_bn_params(weight, bias, running_mean, running_var, bn_weight, bn
 
 
 def _refusal(layer: ConvCall | LinearCall, bn: BatchNormCall, ctx: PassContext) -> tuple[str, str]:
+    """(reason, detail) for leaving this layer + BN pair as it is, or ("", "") to fold it."""
     if isinstance(layer, ConvCall) and layer.unsupported:
         return "unsupported_conv", layer.unsupported
+    for call in (layer, bn):
+        hooks = call.module is not None and _torch_private.module_hooks(call.module)
+        if hooks:
+            return "module_hooks", f"{call.node.target} has {', '.join(hooks)} that folding would skip"
     if len(layer.node.users) > 1:
         users = ", ".join(u.name for u in layer.node.users if u is not bn.node)
         return "conv_has_other_users", f"{layer.node.name} is also read by {users}"
-    if bn.training is not False:
+    if not bn.uses_running_stats:
         return "bn_training", "BatchNorm uses batch statistics (train mode or no running stats)"
     refs = (layer.weight, layer.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
     if not all(is_constant(r, ctx.constant_inputs) for r in refs):
         return "not_constant", "a weight or statistic is computed in the graph"
-    if isinstance(layer, LinearCall):
-        out = tensor_meta(layer.node)
-        if out is None or out.dim() != 2:
-            return "channel_axis_mismatch", "BatchNorm after Linear folds only on a 2-D (batch, features) output"
+    batched_dims = layer.spatial_dims + 2 if isinstance(layer, ConvCall) else 2
+    out = tensor_meta(layer.node)
+    if out is None or out.dim() != batched_dims:
+        return "channel_axis_mismatch", (f"{layer.node.name} output is not {batched_dims}-D (batch, channels, ...), "
+                                         "so BatchNorm's channel axis is not its output channel")
     return "", ""
 
 
@@ -136,6 +149,10 @@ class FoldConvBN(Pass):
                 graph.erase_node(ref)
 
     @staticmethod
-    def _store(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.Node:
+    def _store(gm: fx.GraphModule, base: str, tensor: torch.Tensor) -> fx.Node:
+        name, suffix = base, 0
+        while hasattr(gm, name):
+            suffix += 1
+            name = f"{base}_{suffix}"
         gm.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
         return gm.graph.get_attr(name)
