@@ -1,0 +1,200 @@
+"""What autograd keeps for each node's backward, from one table kept in this file.
+
+`saved_for_backward(node, gm)` answers, for one graph node, whether its backward keeps the node's
+own output and which input nodes it keeps; `saved_bytes(node, gm)` turns that into bytes from
+`node.meta["val"]`. Passes ask these questions instead of re-deriving them: `inplace_relu` (may an
+activation overwrite its input? may relu save a mask instead of its output?), and the memory passes
+(what does a region keep alive?).
+
+The table is keyed by op name, the same for every form a graph holds an op in (`op_name`):
+`nn.ReLU` modules, `F.relu` / `torch.relu` calls and `x.relu()` methods are all "relu".
+Entries are what autograd saves when every tensor input requires grad (checked against
+`torch.autograd.graph.saved_tensors_hooks` by tests/test_saved_tensors.py); with some inputs
+frozen autograd may save less, so the table is a safe over-approximation. An op not in the
+table is `known=False` and assumed to save its output and every tensor input.
+"""
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .shapes import tensor_meta
+
+NONE, FIRST, ALL = "none", "first", "all"  # which tensor inputs a backward keeps
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    output: bool = False  # keeps its own output
+    inputs: str = NONE  # NONE, FIRST (the first tensor argument) or ALL tensor arguments
+    extra: Callable[[fx.Node], int] | None = None  # bytes of internal tensors it also keeps (masks, indices)
+
+
+def _same_size_as_output(node: fx.Node) -> int:
+    out = tensor_meta(node)
+    return out.numel() * out.element_size() if out is not None else 0
+
+
+def _int64_like_output(node: fx.Node) -> int:
+    out = tensor_meta(node)
+    return out.numel() * 8 if out is not None else 0
+
+
+def _dropout_mask(node: fx.Node) -> int:
+    """Train-mode dropout keeps its scaled noise (input-sized); eval-mode keeps nothing."""
+    return _same_size_as_output(node) if dropout_training(node) else 0
+
+
+_KEEPS_NOTHING = _Rule()
+_KEEPS_OUTPUT = _Rule(output=True)
+_KEEPS_INPUT = _Rule(inputs=FIRST)
+_KEEPS_ALL_INPUTS = _Rule(inputs=ALL)
+_KEEPS_INPUT_COPY = _Rule(extra=_same_size_as_output)  # in-place op whose backward needs the old input
+
+_TABLE: dict[str, _Rule] = {
+    # backward is computed from the output alone
+    **dict.fromkeys(["relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "exp_", "softmax",
+                     "log_softmax", "sqrt", "rsqrt"], _KEEPS_OUTPUT),
+    # in-place activations whose backward reads the result (leaky_relu_ / elu_ need slope, alpha >= 0)
+    **dict.fromkeys(["leaky_relu_", "elu_"], _KEEPS_OUTPUT),
+    # in-place activations whose backward needs the old input: autograd saves a copy of it
+    **dict.fromkeys(["hardtanh_", "relu6_", "hardswish_", "silu_"], _KEEPS_INPUT_COPY),
+    # backward is computed from the input
+    **dict.fromkeys(["hardtanh", "relu6", "leaky_relu", "elu", "hardswish", "silu", "gelu", "mish", "softplus",
+                     "hardsigmoid", "abs", "log", "square", "avg_pool1d", "avg_pool2d", "avg_pool3d"],
+                    _KEEPS_INPUT),
+    # a power keeps base, exponent and result (the table errs on the side of keeping)
+    "pow": _Rule(output=True, inputs=ALL),
+    # max pooling keeps its input and the int64 argmax indices
+    **dict.fromkeys(["max_pool1d", "max_pool2d", "max_pool3d"], _Rule(inputs=FIRST, extra=_int64_like_output)),
+    # products and layers keep their operands (weights, running statistics: parameters and buffers)
+    **dict.fromkeys(["mul", "div", "truediv", "matmul", "mm", "bmm", "addmm", "linear", "conv1d", "conv2d",
+                     "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "batch_norm",
+                     "layer_norm", "group_norm", "instance_norm", "embedding"], _KEEPS_ALL_INPUTS),
+    # train-mode dropout keeps its noise tensor, not its input
+    "dropout": _Rule(extra=_dropout_mask),
+    # linear in their inputs, reductions that need only shapes, copies and views: nothing kept
+    **dict.fromkeys(["add", "sub", "neg", "iadd", "isub", "cat", "stack", "sum", "mean", "clone", "contiguous",
+                     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "to", "float", "type_as",
+                     "identity", "view", "reshape", "flatten", "unflatten", "transpose", "permute", "t", "getitem",
+                     "squeeze", "unsqueeze", "expand", "expand_as", "view_as", "reshape_as", "narrow", "select",
+                     "chunk", "split", "unbind", "detach", "movedim", "swapaxes", "getattr", "size", "dim", "numel"],
+                    _KEEPS_NOTHING),
+}
+
+# nn.Module types in the torch.nn namespace, by the op name their forward computes.
+_MODULE_OPS: dict[type, str] = {
+    torch.nn.ReLU: "relu", torch.nn.ReLU6: "relu6", torch.nn.Hardtanh: "hardtanh", torch.nn.LeakyReLU: "leaky_relu",
+    torch.nn.ELU: "elu", torch.nn.Hardswish: "hardswish", torch.nn.SiLU: "silu", torch.nn.GELU: "gelu",
+    torch.nn.Mish: "mish", torch.nn.Softplus: "softplus", torch.nn.Hardsigmoid: "hardsigmoid",
+    torch.nn.Sigmoid: "sigmoid", torch.nn.Tanh: "tanh", torch.nn.Softmax: "softmax", torch.nn.LogSoftmax: "log_softmax",
+    torch.nn.Conv1d: "conv1d", torch.nn.Conv2d: "conv2d", torch.nn.Conv3d: "conv3d",
+    torch.nn.ConvTranspose1d: "conv_transpose1d", torch.nn.ConvTranspose2d: "conv_transpose2d",
+    torch.nn.ConvTranspose3d: "conv_transpose3d", torch.nn.Linear: "linear",
+    torch.nn.BatchNorm1d: "batch_norm", torch.nn.BatchNorm2d: "batch_norm", torch.nn.BatchNorm3d: "batch_norm",
+    torch.nn.LayerNorm: "layer_norm", torch.nn.GroupNorm: "group_norm",
+    torch.nn.MaxPool1d: "max_pool1d", torch.nn.MaxPool2d: "max_pool2d", torch.nn.MaxPool3d: "max_pool3d",
+    torch.nn.AvgPool1d: "avg_pool1d", torch.nn.AvgPool2d: "avg_pool2d", torch.nn.AvgPool3d: "avg_pool3d",
+    torch.nn.AdaptiveAvgPool1d: "adaptive_avg_pool1d", torch.nn.AdaptiveAvgPool2d: "adaptive_avg_pool2d",
+    torch.nn.AdaptiveAvgPool3d: "adaptive_avg_pool3d", torch.nn.Dropout: "dropout", torch.nn.Dropout1d: "dropout",
+    torch.nn.Dropout2d: "dropout", torch.nn.Dropout3d: "dropout", torch.nn.Flatten: "flatten",
+    torch.nn.Identity: "identity", torch.nn.Embedding: "embedding",
+}
+_FUNCTION_NAMESPACES = (torch, F, operator, builtins, torch.Tensor)
+# Functional activations that take `inplace`, and its position among their arguments.
+_INPLACE_ARG = {"relu": 1, "relu6": 1, "hardtanh": 3, "leaky_relu": 2, "elu": 2, "hardswish": 1, "silu": 1}
+
+
+def _module_is_pristine(module: torch.nn.Module) -> bool:
+    """A torch.nn module whose forward is the library's (a subclass may compute anything)."""
+    op_type = next((t for t in type(module).__mro__ if t in _MODULE_OPS), None)
+    return op_type is not None and type(module).forward is op_type.forward
+
+
+def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    """The op a node computes, the same name in every form ("relu", "conv2d", "relu_"), or None.
+
+    In-place forms get a trailing underscore (`x.relu_()`, `F.relu(x, inplace=True)`,
+    `nn.ReLU(inplace=True)`). Calls of anything outside torch / operator are None.
+    """
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if not _module_is_pristine(module):
+            return None
+        name = next(_MODULE_OPS[t] for t in type(module).__mro__ if t in _MODULE_OPS)
+        return name + "_" if getattr(module, "inplace", False) and name in _INPLACE_ARG else name
+    if node.op != "call_function":
+        return None
+    name = getattr(node.target, "__name__", None)
+    if name is None or not any(getattr(ns, name, None) is node.target for ns in _FUNCTION_NAMESPACES):
+        return None
+    position = _INPLACE_ARG.get(name)
+    if position is not None and node.target is getattr(F, name, None):
+        inplace = node.args[position] if len(node.args) > position else node.kwargs.get("inplace", False)
+        return name + "_" if inplace is True else name
+    return name
+
+
+def dropout_training(node: fx.Node) -> bool:
+    """Whether a dropout node draws a mask: module in train mode, or `training`/`train` not False.
+
+    Assumes `node` is a dropout (op_name == "dropout"); a flag computed in the graph counts as training.
+    """
+    if node.op == "call_module":
+        return node.graph.owning_module.get_submodule(node.target).training
+    flag = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
+    return flag is not False
+
+
+def _tensor_inputs(node: fx.Node) -> tuple[fx.Node, ...]:
+    """Input nodes that are (or may be) tensors, in argument order, each once."""
+    return tuple(n for n in node.all_input_nodes if tensor_meta(n) is not None or "val" not in n.meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedForBackward:
+    saves_output: bool
+    saved_inputs: tuple[fx.Node, ...]
+    known: bool
+
+
+def saved_for_backward(node: fx.Node, gm: fx.GraphModule) -> SavedForBackward:
+    """What autograd keeps for `node`'s backward (see module docstring); placeholders keep nothing."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return SavedForBackward(False, (), True)
+    name = op_name(node, gm)
+    rule = _TABLE.get(name) if name is not None else None
+    inputs = _tensor_inputs(node)
+    if rule is None:
+        return SavedForBackward(True, inputs, False)
+    kept = {NONE: (), FIRST: inputs[:1], ALL: inputs}[rule.inputs]
+    return SavedForBackward(rule.output, kept, True)
+
+
+def _bytes_of(node: fx.Node) -> int:
+    val = tensor_meta(node)
+    return val.numel() * val.element_size() if val is not None else 0
+
+
+def saved_bytes(node: fx.Node, gm: fx.GraphModule) -> int:
+    """Bytes of non-parameter tensors kept for `node`'s backward, from `node.meta["val"]`.
+
+    Graph inputs, parameters and buffers are not counted (they live anyway), nor are
+    intermediate tensors counted twice when the output is also an input (in-place ops).
+    """
+    saved = saved_for_backward(node, gm)
+    nodes = {n for n in saved.saved_inputs if n.op not in ("placeholder", "get_attr")}
+    if saved.saves_output:
+        nodes.add(node)
+    name = op_name(node, gm)
+    rule = _TABLE.get(name) if name is not None else None
+    extra = rule.extra(node) if rule is not None and rule.extra is not None else 0
+    return sum(_bytes_of(n) for n in nodes) + extra
