@@ -77,3 +77,104 @@ def module_hooks(module: torch.nn.Module) -> list[str]:
 
     kinds = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
     return [k for k in kinds if getattr(module, f"_{k}") or getattr(nn_module, f"_global_{k}")]
+
+
+def preserve_graph_module_attributes(gm, attributes: dict) -> None:
+    """Set plain attributes on a GraphModule so that deepcopy keeps them too."""
+    from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY
+
+    gm.meta.setdefault(_USER_PRESERVED_ATTRIBUTES_KEY, {}).update(attributes)
+    for name, value in attributes.items():
+        setattr(gm, name, value)
+
+
+# ---- torch.compile backend (fxopt.frontends.backend) ----
+
+def dynamo_parameter_placeholders(gm, example_inputs) -> frozenset[str]:
+    """Names of the placeholders of a Dynamo graph that hold parameters or buffers of an nn.Module.
+
+    With `inline_inbuilt_nn_modules` (the default) module state reaches the backend as graph
+    inputs; Dynamo records where each input came from in `node.meta["grapharg"].source`.
+    """
+    from torch._dynamo.source import is_from_unspecialized_param_buffer_source
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = set()
+    for node, value in zip(placeholders, example_inputs):
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
+        guard_source = source.guard_source if source is not None else None
+        from_module = source is not None and (is_from_unspecialized_param_buffer_source(source)
+                                              or guard_source.is_specialized_nn_module()
+                                              or guard_source.is_unspecialized_nn_module())
+        if isinstance(value, torch.nn.Parameter) or from_module:
+            names.add(node.name)
+    return frozenset(names)
+
+
+def inductor_compile(gm, example_inputs, freezing: bool = False):
+    """Inductor's `compile_fx` (AOTAutograd + min-cut partitioner inside); `freezing` turns
+    `get_attr` parameters into constants it can fold and pre-pack."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    with config.patch(freezing=freezing):
+        return compile_fx(gm, example_inputs)
+
+
+def aot_eager_compile(gm, example_inputs):
+    """AOTAutograd with the min-cut partitioner and no code generation (a debugging hand-off
+    that still partitions forward/backward the way Inductor's does)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.compilers import nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition)
+    return backend(gm, example_inputs)
+
+
+def activation_memory_budget(fraction: float | None):
+    """Context in which AOTAutograd's min-cut partitioner keeps at most `fraction` of the activations."""
+    import contextlib
+
+    from torch._functorch import config
+
+    return config.patch(activation_memory_budget=fraction) if fraction is not None else contextlib.nullcontext()
+
+
+def call_compiled(fn, args: list):
+    """Call a compiled graph whichever calling convention it uses (boxed: one list argument)."""
+    return fn(args) if getattr(fn, "_boxed_call", False) else fn(*args)
+
+
+def reset_dynamo() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+# ---- side effects of ops (fxopt.analysis.side_effects) ----
+
+def op_overload_types() -> tuple:
+    """The types of ATen operator objects a graph may call (`torch.ops.aten.add.Tensor` and its packet)."""
+    return (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+def op_is_mutable(op) -> bool:
+    """Whether an ATen operator's schema writes into an argument."""
+    op = getattr(op, "default", op)
+    schema = getattr(op, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def op_is_random(op) -> bool:
+    """Whether an ATen operator draws from the random generator."""
+    op = getattr(op, "default", op)
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+
+
+def fx_is_impure(fn, args, kwargs) -> bool:
+    """torch.fx's own impurity test for a called function (asserts, profiler ranges, effectful ops)."""
+    from torch._library.utils import is_impure
+
+    return is_impure(fn, args=args, kwargs=kwargs)

@@ -16,7 +16,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import FxoptError
-from .specialized import SpecializedCall, is_specializable
+from .. import _torch_private
+from .specialized import SpecializedCall, is_specializable, tensor_spec
 from .state import record_submodule_calls
 from .tracer import OpaqueModule, trace_with_opaque_leaves
 
@@ -63,23 +64,50 @@ def _carry_unused_state(root: torch.nn.Module, gm: fx.GraphModule) -> None:
             dst_owner.register_buffer(attr, tensor, persistent=attr not in src_owner._non_persistent_buffers_set)
 
 
-def _split_arguments(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """Bind a recorded call: (placeholder values in order, fixed non-tensor values), or a reason it can't be traced."""
+@dataclasses.dataclass
+class _BoundCall:
+    """A recorded call, split for tracing: placeholder values, fixed flag values, fx's concrete_args."""
+
+    values: tuple  # one value per placeholder, in order
+    fixed: dict  # parameter name -> the non-tensor value the graph is specialized to
+    concrete_args: dict  # the same, keyed the way fx names them ("*args", "**kwargs" for empty varargs)
+
+
+def _bind_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> _BoundCall | str:
+    """Split a recorded call of `module` (see _BoundCall), or say why it cannot be traced."""
     bound = inspect.signature(module.forward).bind(*args, **kwargs)
     bound.apply_defaults()
-    values, fixed = [], {}
+    values, fixed, concrete = [], {}, {}
     for name, value in bound.arguments.items():
         param = bound.signature.parameters[name]
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             if value:
-                return None, None, f"takes *args/**kwargs ({name})"
+                return f"takes *args/**kwargs ({name}={_short(value)})"
+            fixed[name] = value
+            concrete[("*" if param.kind == param.VAR_POSITIONAL else "**") + name] = value
             continue
         if not isinstance(value, torch.Tensor):
             if not is_specializable(value):
-                return None, None, f"argument {name!r} is a {type(value).__name__}"
-            fixed[name] = value
+                return f"argument {name!r} is a {type(value).__name__}"
+            fixed[name] = concrete[name] = value
         values.append(value)
-    return tuple(values), fixed, ""
+    return _BoundCall(tuple(values), fixed, concrete)
+
+
+def _short(value) -> str:
+    return f"{{{', '.join(value)}}}" if isinstance(value, dict) else f"{len(value)} values"
+
+
+def _keep_plain_attributes(original: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """Give `gm` the plain attributes of `original` (`config`, `stride`, ...) that code around it may read."""
+    attributes = {name: value for name, value in vars(original).items()
+                  if not name.startswith("_") and name != "training" and not hasattr(gm, name)}
+    _torch_private.preserve_graph_module_attributes(gm, attributes)
+
+
+def _is_torch_leaf(module: torch.nn.Module) -> bool:
+    """A torch.nn layer (Conv2d, ReLU, ...): alone in a graph there is nothing to optimize."""
+    return fx.Tracer().is_leaf_module(module, "")
 
 
 class _Capturer:
@@ -88,44 +116,47 @@ class _Capturer:
         self.example_inputs = example_inputs
         self.graphs: list[CapturedGraph] = []
         self.opaque: list[OpaqueModule] = []
-        self._calls = None
-
-    @property
-    def calls(self):
-        if self._calls is None:
-            self._calls = record_submodule_calls(self.model, self.example_inputs)
-        return self._calls
+        self.calls = record_submodule_calls(model, example_inputs)
 
     def capture_call(self, module, path: str, args: tuple, kwargs: dict) -> torch.nn.Module:
         """Capture `module` as called with (args, kwargs); return what should stand in its place."""
-        values, fixed, why_not = _split_arguments(module, args, kwargs)
-        if why_not:
-            self.opaque.append(OpaqueModule(path, type(module).__name__, why_not))
+        call = _bind_call(module, args, kwargs)
+        if isinstance(call, str):
+            self.opaque.append(OpaqueModule(path, type(module).__name__, call))
             return self.capture_children(module, path)
-        gm, opaque = trace_with_opaque_leaves(module, concrete_args=fixed or None)
-        if gm is None:
-            self.opaque.append(dataclasses.replace(opaque[0], path=path))
+        traced = trace_with_opaque_leaves(module, concrete_args=call.concrete_args or None,
+                                          example_call=(args, kwargs))
+        if traced.gm is None:
+            self.opaque.append(dataclasses.replace(traced.opaque[0], path=path))
             return self.capture_children(module, path)
+        gm = traced.gm
         _carry_unused_state(module, gm)
-        self.graphs.append(CapturedGraph(path, gm, values))
-        for leaf in opaque:
+        _keep_plain_attributes(module, gm)
+        self.graphs.append(CapturedGraph(path, gm, call.values))
+        for leaf in traced.opaque:
             self.opaque.append(dataclasses.replace(leaf, path=_join(path, leaf.path)))
             original = gm.get_submodule(leaf.path)
             replacement = self.capture_children(original, _join(path, leaf.path))
             if replacement is not original:
                 parent, _, name = leaf.path.rpartition(".")
                 setattr(gm.get_submodule(parent), name, replacement)
-        return SpecializedCall(gm, module, fixed) if fixed else gm
+        specs = {}
+        if traced.shape_specialized:
+            bound = inspect.signature(module.forward).bind(*args, **kwargs)
+            specs = {name: tensor_spec(v) for name, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
+        return SpecializedCall(gm, module, call.fixed, specs) if call.fixed or specs else gm
 
     def capture_children(self, module: torch.nn.Module, path: str) -> torch.nn.Module:
         """A shallow copy of `module` whose called children are captured (or `module` if none was)."""
         replaced = {}
         for name, child in module.named_children():
             child_path = _join(path, name)
-            if child_path not in self.calls:
+            if _is_torch_leaf(child):
                 continue
-            args, kwargs = self.calls[child_path]
-            new_child = self.capture_call(child, child_path, args, kwargs)
+            if child_path in self.calls:
+                new_child = self.capture_call(child, child_path, *self.calls[child_path])
+            else:  # never called itself (a ModuleList, or unused): its children may have been
+                new_child = self.capture_children(child, child_path)
             if new_child is not child:
                 replaced[name] = new_child
         if not replaced:

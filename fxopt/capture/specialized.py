@@ -1,9 +1,11 @@
-"""A captured child module that was traced with some non-tensor arguments fixed.
+"""A captured module whose graph is valid only for calls like the one it was traced from.
 
 Hugging Face blocks are called with flags (`output_hidden_states=False`, `return_dict=True`,
-`attention_mask=None`). Tracing fixes those values; `SpecializedCall` runs the graph only when a
-call passes the same values and otherwise falls back to the original module, so a later call
-with other flags is still correct rather than an assertion error or a wrong result.
+`attention_mask=None`), and shape-specialized tracing (see `tracer.py`) bakes the example's
+shapes and dtypes into the graph. `SpecializedCall` runs the graph only when a call passes the
+same flag values and tensors of the same shapes and dtypes, and otherwise runs the original
+module, so a later call with other flags or shapes is still correct (just not optimized) rather
+than an assertion error or a wrong result.
 
 It exposes the graph's parameters, buffers and submodules as its own (the same dicts), so
 `state_dict()` keys and `.to()` behave exactly like the module it stands in for.
@@ -30,10 +32,16 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-class SpecializedCall(torch.nn.Module):
-    """Run `graph_module` if the fixed arguments match, else `original` (see module docstring)."""
+def tensor_spec(value: torch.Tensor) -> tuple:
+    """What a shape-specialized graph assumes about one tensor argument."""
+    return tuple(value.shape), value.dtype
 
-    def __init__(self, graph_module: fx.GraphModule, original: torch.nn.Module, specialized: dict[str, Any]):
+
+class SpecializedCall(torch.nn.Module):
+    """Run `graph_module` if the call matches what it was traced for, else `original` (see module docstring)."""
+
+    def __init__(self, graph_module: fx.GraphModule, original: torch.nn.Module, specialized: dict[str, Any],
+                 tensor_specs: dict[str, tuple] | None = None):
         super().__init__()
         # Share (not copy) the graph's state so keys and devices stay those of the original module.
         self.__dict__.update(_parameters=graph_module._parameters, _buffers=graph_module._buffers,
@@ -43,10 +51,18 @@ class SpecializedCall(torch.nn.Module):
         self.__dict__["original"] = original
         self.__dict__["_signature"] = inspect.signature(original.forward)
         self.specialized = specialized
+        self.tensor_specs = tensor_specs or {}
+
+    def matches(self, arguments: dict[str, Any]) -> bool:
+        """Whether a call with these bound arguments is one the graph was traced for."""
+        if not all(_same(arguments[name], value) for name, value in self.specialized.items()):
+            return False
+        return all(isinstance(arguments[name], torch.Tensor) and tensor_spec(arguments[name]) == spec
+                   for name, spec in self.tensor_specs.items())
 
     def forward(self, *args, **kwargs):
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        if all(_same(bound.arguments[name], value) for name, value in self.specialized.items()):
+        if self.matches(bound.arguments):
             return self.graph_module(*bound.args, **bound.kwargs)
         return self.original(*args, **kwargs)

@@ -5,6 +5,8 @@ import contextlib
 
 import torch
 
+from ..errors import FxoptError
+
 
 @contextlib.contextmanager
 def preserved_state(module: torch.nn.Module):
@@ -16,22 +18,46 @@ def preserved_state(module: torch.nn.Module):
             yield
         finally:
             for name, b in module.named_buffers():
-                if name in saved:
+                if name in saved and not torch.equal(b, saved[name]):  # expanded buffers cannot be written
                     b.copy_(saved[name])
 
 
+def _describe_values(values) -> str:
+    """`(2, 3, 32, 32) float32` for each tensor among `values`, for error messages."""
+    from ..pipeline.verify import flatten_tensors
+
+    shapes = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in flatten_tensors(list(values))]
+    return ", ".join(shapes) or "no tensors"
+
+
 def record_submodule_calls(model: torch.nn.Module, example_inputs: tuple) -> dict[str, tuple[tuple, dict]]:
-    """Run `model` once and return, for each submodule path, the (args, kwargs) of its first call."""
+    """Run `model` once and return, for each submodule path, the (args, kwargs) of its first call.
+
+    If the model rejects the inputs, raise FxoptError naming the innermost module that was
+    running and the shapes it was given (the stack of modules is tracked with hooks).
+    """
     calls: dict[str, tuple[tuple, dict]] = {}
+    stack: list[tuple[str, torch.nn.Module, tuple, dict]] = []
     handles = []
     for path, sub in model.named_modules():
-        def hook(mod, args, kwargs, path=path):
+        def enter(mod, args, kwargs, path=path):
             calls.setdefault(path, (args, kwargs))
+            stack.append((path, mod, args, kwargs))
 
-        handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
+        def leave(mod, args, output):
+            stack.pop()
+
+        handles.append(sub.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(sub.register_forward_hook(leave))
     try:
         with preserved_state(model):
             model(*example_inputs)
+    except Exception as e:
+        path, mod, args, kwargs = stack[-1] if stack else ("", model, example_inputs, {})
+        where = f"module {path!r} ({type(mod).__name__})" if path else f"the model ({type(mod).__name__})"
+        raise FxoptError(f"{type(model).__name__} rejected the example inputs "
+                         f"[{_describe_values(example_inputs)}]: {where} failed on inputs "
+                         f"[{_describe_values([*args, *kwargs.values()])}]: {type(e).__name__}: {e}") from e
     finally:
         for h in handles:
             h.remove()

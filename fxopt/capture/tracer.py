@@ -1,20 +1,34 @@
 """torch.fx capture that does not give up on real models.
 
-Plain `symbolic_trace` rejects a whole model when any line of it branches on a tensor,
-calls `int()` on a shape or iterates a proxy (every Hugging Face model does one of these).
-`trace_with_opaque_leaves` traces what it can: a submodule whose forward cannot be traced is
-kept as an opaque `call_module` leaf, with the reason, and tracing is retried around it.
-`fxopt.capture.capture` then recurses into those leaves so their children are optimized too.
+Plain `symbolic_trace` rejects a whole model when any line of it branches on a shape, calls
+`int()` on a size, branches on a tensor's value or iterates a proxy (every Hugging Face model
+does one of these). `trace_with_opaque_leaves` traces what it can, in two steps:
+
+1. Plain tracing: the graph is general in the input shapes. If it succeeds, that graph is used.
+2. Shape-specialized tracing: every proxy carries the fake tensor it stands for (computed from
+   the example inputs as the trace goes, without real compute), so `x.shape`, `x.size(1)`,
+   `x.dim()`, `len(x)` and `x.dtype` answer with the example's concrete values. The graph is
+   then valid only for inputs of those shapes and dtypes: `capture` guards it
+   (`SpecializedCall` runs the original module for any other input). Branching on a tensor's
+   *value* (`if x.sum() > 0:`) still fails: specializing it would be wrong on the other branch.
+
+In both steps a submodule whose forward cannot be traced is kept as an opaque `call_module`
+leaf, with the reason, and tracing is retried around it; `fxopt.capture.capture` then recurses
+into those leaves so their children are optimized too.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import traceback
+from typing import Any
 
 import torch
 import torch.fx as fx
 
+from .. import _torch_private
 from ..errors import FxoptError
+from .state import preserved_state
 
 
 @dataclasses.dataclass
@@ -24,6 +38,15 @@ class OpaqueModule:
     path: str  # qualified name in the caller's model ("" is the model itself)
     type: str
     reason: str
+
+
+@dataclasses.dataclass
+class Traced:
+    """What `trace_with_opaque_leaves` produced: the graph (None if the root failed) and its leaves."""
+
+    gm: fx.GraphModule | None
+    opaque: list[OpaqueModule]
+    shape_specialized: bool = False
 
 
 class _LocatingTracer(fx.Tracer):
@@ -45,6 +68,124 @@ class _LocatingTracer(fx.Tracer):
             raise
 
 
+_MISSING = object()
+
+
+class _ShapeProxy(fx.Proxy):
+    """A proxy that answers shape, rank and dtype questions with the example's concrete values."""
+
+    def _value(self) -> torch.Tensor | None:
+        value = self.tracer.values.get(self.node, _MISSING)
+        if isinstance(value, torch.Tensor):
+            self.tracer.specialized = True
+            return value
+        return None
+
+    def _ask(self, attribute: str, *args):
+        value = self._value()
+        if value is None:  # unknown value: record the call in the graph, as plain tracing does
+            return fx.Proxy.__getattr__(self, attribute)(*args) if attribute in ("size", "dim") else \
+                fx.Proxy.__getattr__(self, attribute)
+        answer = getattr(value, attribute)
+        return answer(*args) if attribute in ("size", "dim") else answer
+
+    @property
+    def shape(self):
+        return self._ask("shape")
+
+    @property
+    def ndim(self):
+        return self._ask("ndim")
+
+    @property
+    def dtype(self):
+        return self._ask("dtype")
+
+    def size(self, *dim):
+        return self._ask("size", *dim)
+
+    def dim(self):
+        return self._ask("dim")
+
+    def __len__(self) -> int:
+        value = self._value()
+        if value is None:
+            return super().__len__()
+        return len(value)
+
+
+class _ShapeTracer(_LocatingTracer):
+    """A `_LocatingTracer` that runs every recorded op on fake tensors to know each node's value."""
+
+    def __init__(self, opaque_paths: set[str], example_values: dict[str, Any], fake_mode):
+        super().__init__(opaque_paths)
+        self.example_values = example_values
+        self.fake_mode = fake_mode
+        self.values: dict[fx.Node, Any] = {}
+        self.specialized = False
+        self.evaluating = False
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ShapeProxy(node, self)
+
+    # While a leaf module runs on fake values, the tracer's patches of Module.__call__ and
+    # Module.__getattr__ must step aside, or the leaf's insides would be recorded in the graph.
+    def call_module(self, m, forward, args, kwargs):
+        return forward(*args, **kwargs) if self.evaluating else super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        return attr_val if self.evaluating else super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        value = self._evaluate(proxy.node)
+        if value is not _MISSING:
+            self.values[proxy.node] = value
+        return proxy
+
+    def _evaluate(self, node: fx.Node):
+        """The fake value `node` produces, or _MISSING when it cannot be known without real data."""
+        if node.op == "placeholder":
+            value = self.example_values.get(node.target, _MISSING)
+            return self._fake(value) if isinstance(value, torch.Tensor) else value
+        if node.op == "get_attr":
+            value = getattr(self.root, node.target, None) if "." not in node.target else \
+                _get_qualified(self.root, node.target)
+            return self._fake(value) if isinstance(value, torch.Tensor) else _MISSING
+        missing = []
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self._lookup(n, missing))
+        if missing:
+            return _MISSING
+        self.evaluating = True
+        try:
+            with self.fake_mode:
+                if node.op == "call_function":
+                    return node.target(*args, **kwargs)
+                if node.op == "call_method":
+                    return getattr(args[0], node.target)(*args[1:], **kwargs)
+                if node.op == "call_module":
+                    return self.root.get_submodule(node.target)(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - data-dependent or unsupported on fake tensors: value unknown
+            return _MISSING
+        finally:
+            self.evaluating = False
+        return _MISSING
+
+    def _lookup(self, node: fx.Node, missing: list):
+        value = self.values.get(node, _MISSING)
+        if value is _MISSING:
+            missing.append(node)
+        return value
+
+    def _fake(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if _torch_private.is_fake(tensor) else self.fake_mode.from_tensor(tensor)
+
+
+def _get_qualified(root: torch.nn.Module, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(root.get_submodule(owner), name, None)
+
+
 def _describe(e: Exception) -> str:
     """One line saying what stopped tracing and where, in the user's code if possible."""
     frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
@@ -53,23 +194,46 @@ def _describe(e: Exception) -> str:
     return f"{type(e).__name__}: {msg[:160]}{where}"
 
 
-def trace_with_opaque_leaves(module: torch.nn.Module, concrete_args: dict | None = None):
-    """Trace `module`; return (GraphModule, [OpaqueModule]), or (None, [OpaqueModule for root]).
-
-    Each failing submodule becomes a leaf and tracing restarts: at most one retry per submodule.
-    """
+def _trace(module: torch.nn.Module, concrete_args: dict | None, example_values: dict | None) -> Traced:
+    """Trace `module`, making each failing submodule an opaque leaf and retrying (once per submodule)."""
     opaque: dict[str, OpaqueModule] = {}
     for _ in range(len(list(module.modules())) + 1):
-        tracer = _LocatingTracer(set(opaque))
+        if example_values is None:
+            tracer = _LocatingTracer(set(opaque))
+        else:
+            tracer = _ShapeTracer(set(opaque), example_values, _torch_private.fake_tensor_mode())
         try:
-            graph = tracer.trace(module, concrete_args=concrete_args)
+            with preserved_state(module):
+                graph = tracer.trace(module, concrete_args=concrete_args)
         except Exception as e:  # noqa: BLE001 - any tracing failure is handled the same way
             path = getattr(e, "_fxopt_module_path", "")
             if path == "" or path in opaque:
-                root = OpaqueModule("", type(module).__name__, _describe(e))
-                return None, [root]
+                return Traced(None, [OpaqueModule("", type(module).__name__, _describe(e))])
             opaque[path] = OpaqueModule(path, type(module.get_submodule(path)).__name__, _describe(e))
             continue
-        name = module.__class__.__name__
-        return fx.GraphModule(tracer.root, graph, name), list(opaque.values())
+        gm = fx.GraphModule(tracer.root, graph, module.__class__.__name__)
+        return Traced(gm, list(opaque.values()), getattr(tracer, "specialized", False))
     raise FxoptError(f"tracing {type(module).__name__} did not converge")  # pragma: no cover
+
+
+def _example_values(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Placeholder name -> example value, for a call of `module` with (args, kwargs)."""
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def trace_with_opaque_leaves(module: torch.nn.Module, concrete_args: dict | None = None,
+                             example_call: tuple[tuple, dict] | None = None) -> Traced:
+    """Trace `module` as generally as possible (see module docstring).
+
+    `example_call` is the (args, kwargs) of a real call; without it only plain tracing is tried.
+    The shape-specialized graph is used only when it leaves fewer submodules opaque.
+    """
+    plain = _trace(module, concrete_args, None)
+    if example_call is None or (plain.gm is not None and not plain.opaque):
+        return plain
+    specialized = _trace(module, concrete_args, _example_values(module, *example_call))
+    if specialized.gm is not None and (plain.gm is None or len(specialized.opaque) < len(plain.opaque)):
+        return specialized
+    return plain
