@@ -46,6 +46,11 @@ def _int64_like_output(node: fx.Node) -> int:
     return out.numel() * 8 if out is not None else 0
 
 
+def _bool_like_output(node: fx.Node) -> int:
+    out = tensor_meta(node)
+    return out.numel() if out is not None else 0
+
+
 def _dropout_mask(node: fx.Node) -> int:
     """Train-mode dropout keeps its scaled noise (input-sized); eval-mode keeps nothing."""
     return _same_size_as_output(node) if dropout_training(node) else 0
@@ -77,6 +82,8 @@ _TABLE: dict[str, _Rule] = {
     **dict.fromkeys(["mul", "div", "truediv", "matmul", "mm", "bmm", "addmm", "linear", "conv1d", "conv2d",
                      "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "batch_norm",
                      "layer_norm", "group_norm", "instance_norm", "embedding"], _KEEPS_ALL_INPUTS),
+    # fxopt's relu that keeps a bool mask of where its input was positive (fxopt.passes._relu_mask)
+    **dict.fromkeys(["relu_mask", "relu_mask_"], _Rule(extra=_bool_like_output)),
     # train-mode dropout keeps its noise tensor, not its input
     "dropout": _Rule(extra=_dropout_mask),
     # linear in their inputs, reductions that need only shapes, copies and views: nothing kept
@@ -121,7 +128,8 @@ def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
     """The op a node computes, the same name in every form ("relu", "conv2d", "relu_"), or None.
 
     In-place forms get a trailing underscore (`x.relu_()`, `F.relu(x, inplace=True)`,
-    `nn.ReLU(inplace=True)`). Calls of anything outside torch / operator are None.
+    `nn.ReLU(inplace=True)`). fxopt's own functions carry their name in `fxopt_op_name`.
+    Calls of anything else outside torch / operator / builtins are None.
     """
     if node.op == "call_method":
         return node.target
@@ -133,6 +141,9 @@ def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
         return name + "_" if getattr(module, "inplace", False) and name in _INPLACE_ARG else name
     if node.op != "call_function":
         return None
+    own = getattr(node.target, "fxopt_op_name", None)
+    if own is not None:
+        return own
     name = getattr(node.target, "__name__", None)
     if name is None or not any(getattr(ns, name, None) is node.target for ns in _FUNCTION_NAMESPACES):
         return None
@@ -141,6 +152,11 @@ def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
         inplace = node.args[position] if len(node.args) > position else node.kwargs.get("inplace", False)
         return name + "_" if inplace is True else name
     return name
+
+
+def is_known_op(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """The table knows what this call keeps for backward (and so what it computes)."""
+    return op_name(node, gm) in _TABLE
 
 
 def dropout_training(node: fx.Node) -> bool:

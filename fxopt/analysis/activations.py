@@ -1,0 +1,67 @@
+"""Recognise the ReLU family (relu, relu6, hardtanh, leaky_relu, elu, hardswish, silu) in any form.
+
+`nn.ReLU()` modules, `F.relu(x)` / `torch.relu(x)` calls and `x.relu()` methods all become one
+`ActivationCall` with the op's parameters, so a pass can re-emit it as `F.<kind>(x, ..., inplace=True)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .saved_tensors import op_name
+
+# kind -> (its parameters in functional argument order, with their defaults)
+_PARAMETERS: dict[str, dict[str, Any]] = {
+    "relu": {}, "relu6": {}, "hardswish": {}, "silu": {},
+    "hardtanh": {"min_val": -1.0, "max_val": 1.0},
+    "leaky_relu": {"negative_slope": 0.01},
+    "elu": {"alpha": 1.0},
+}
+# The module attribute holding each functional parameter.
+_MODULE_ATTRIBUTES = {"min_val": "min_val", "max_val": "max_val", "negative_slope": "negative_slope", "alpha": "alpha"}
+
+
+@dataclasses.dataclass
+class ActivationCall:
+    node: fx.Node
+    input: Any  # normally an fx.Node
+    kind: str  # a key of _PARAMETERS
+    params: dict[str, Any]
+    inplace: bool
+
+    @property
+    def function(self):
+        return getattr(F, self.kind)
+
+    def inplace_form(self) -> tuple[Any, tuple, dict]:
+        """(target, args, kwargs) of the same activation written in place."""
+        return self.function, (self.input, *self.params.values()), {"inplace": True}
+
+
+def match_activation(node: fx.Node, gm: fx.GraphModule) -> ActivationCall | None:
+    name = op_name(node, gm) if node.op in ("call_module", "call_function", "call_method") else None
+    if name is None or not node.args:
+        return None
+    inplace = name.endswith("_")
+    kind = name[:-1] if inplace else name
+    if kind not in _PARAMETERS:
+        return None
+    defaults = _PARAMETERS[kind]
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, torch.nn.ReLU6):  # a Hardtanh(0, 6) computed by F.relu6's kernel
+            return ActivationCall(node, node.args[0], "relu6", {}, inplace)
+        params = {p: getattr(module, _MODULE_ATTRIBUTES[p]) for p in defaults}
+        return ActivationCall(node, node.args[0], kind, params, inplace)
+    if node.op == "call_method" or node.target is not getattr(F, kind, None):
+        # torch.relu(x), torch.relu_(x), x.relu(): no parameters
+        return ActivationCall(node, node.args[0], kind, dict(defaults), inplace) if not defaults else None
+    names = ("input", *defaults, "inplace")
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs)
+    params = {p: bound.get(p, default) for p, default in defaults.items()}
+    return ActivationCall(node, bound["input"], kind, params, inplace)

@@ -1,0 +1,100 @@
+"""Which graph nodes may share storage, and who reads a tensor after a given node.
+
+Two nodes alias when writing one may change the other: a view and its base (`view`, `reshape`,
+`flatten`, `transpose`, slicing, `getitem`), an in-place op and its input, an op that may return
+its input itself (`contiguous`, `to`, eval-mode dropout, `nn.Identity`). Aliasing is kept as
+groups (union-find), which over-approximates "may alias" and so errs on the safe side.
+
+Sources, all merged:
+- the view/in-place rules below, keyed by `fxopt.analysis.saved_tensors.op_name`;
+- an op fxopt does not know (not in the saved-for-backward table) may alias every tensor input;
+- FakeTensor storages in `node.meta["val"]`: nodes whose fake tensors share a storage.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import _torch_private
+from .saved_tensors import dropout_training, is_known_op, op_name
+from .shapes import tensor_meta
+
+# Ops whose output is (or may be) a view of, or the same tensor as, their first tensor input.
+VIEW_OPS = frozenset({
+    "view", "reshape", "flatten", "unflatten", "transpose", "permute", "t", "getitem", "squeeze", "unsqueeze",
+    "expand", "expand_as", "view_as", "reshape_as", "narrow", "select", "chunk", "split", "unbind", "detach",
+    "movedim", "swapaxes", "contiguous", "to", "float", "type_as", "identity", "getattr",
+})
+# Reading only a tensor's metadata is not a read of its values.
+_METADATA_OPS = frozenset({"size", "dim", "numel"})
+_METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout"})
+
+
+def is_metadata_read(node: fx.Node) -> bool:
+    """`x.size()`, `x.shape`, `x.dtype`...: the node reads no tensor values."""
+    name = node.op in ("call_method", "call_function") and op_name(node, node.graph.owning_module)
+    if name in _METADATA_OPS:
+        return True
+    return name == "getattr" and len(node.args) > 1 and node.args[1] in _METADATA_ATTRS
+
+
+def is_inplace_op(name: str | None) -> bool:
+    """`relu_`, `add_`, `iadd`...: the op writes into its first input and returns it."""
+    return name is not None and ((name.endswith("_") and not name.endswith("__"))
+                                 or name in ("iadd", "isub", "imul", "itruediv"))
+
+
+def may_return_input(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """The output may share storage with the node's first tensor input."""
+    name = op_name(node, gm)
+    if name == "dropout":
+        return not dropout_training(node)
+    return name in VIEW_OPS or is_inplace_op(name)
+
+
+class AliasInfo:
+    """Groups of graph nodes that may share storage (see module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self._order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        self._parent: dict[fx.Node, fx.Node] = {}
+        by_storage: dict[int, fx.Node] = {}
+        for node in gm.graph.nodes:
+            self._parent[node] = node
+            inputs = [n for n in node.all_input_nodes if not is_metadata_read(n)]
+            if node.op in ("call_function", "call_method", "call_module") and not is_metadata_read(node):
+                may_alias = inputs if not is_known_op(node, gm) else inputs[:1] if may_return_input(node, gm) else []
+                for n in may_alias:
+                    self.merge(node, n)
+            val = tensor_meta(node)
+            if val is not None and _torch_private.is_fake(val):
+                key = _torch_private.untyped_storage_key(val)
+                if key in by_storage:
+                    self.merge(node, by_storage[key])
+                else:
+                    by_storage[key] = node
+
+    def _root(self, node: fx.Node) -> fx.Node:
+        while self._parent[node] is not node:
+            self._parent[node] = self._parent[self._parent[node]]
+            node = self._parent[node]
+        return node
+
+    def merge(self, a: fx.Node, b: fx.Node) -> None:
+        """Record that `a` and `b` may share storage (e.g. after making `a` write into `b`)."""
+        self._parent.setdefault(a, a)
+        self._parent.setdefault(b, b)
+        self._parent[self._root(a)] = self._root(b)
+
+    def aliases(self, node: fx.Node) -> list[fx.Node]:
+        """Every node of the graph that may share storage with `node` (itself included), in graph order."""
+        root = self._root(node)
+        return [n for n in self._order if self._root(n) is root]
+
+    def value_reads_after(self, node: fx.Node, position: fx.Node) -> list[fx.Node]:
+        """Users of `node` after `position` in the graph that read its values (not just its shape).
+
+        Positions are those of the graph this was built on: rewrite nodes in place, do not insert.
+        """
+        limit = self._order[position]
+        return [u for u in node.users if self._order.get(u, limit + 1) > limit and not is_metadata_read(u)]

@@ -1,0 +1,39 @@
+"""`relu_mask(x)`: a ReLU whose backward keeps a bool mask instead of its float output.
+
+`torch.relu` saves its whole output for backward although backward only needs where it was
+positive; this saves `output > 0` as `torch.bool`, one byte per element (4x less for float32,
+2x for bfloat16/float16). The gradient is `torch.where(mask, grad, 0)`, bit-for-bit what
+`threshold_backward(grad, output, 0)` computes, NaN and inf gradients included.
+
+`relu_mask_(x)` does the same in place (`x` is marked dirty, as `torch.relu_` would).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class _ReluMask(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, inplace: bool) -> torch.Tensor:
+        out = torch.relu_(x) if inplace else torch.relu(x)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.save_for_backward(out > 0)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        return torch.where(mask, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None
+
+
+def relu_mask(x: torch.Tensor) -> torch.Tensor:
+    return _ReluMask.apply(x, False)
+
+
+def relu_mask_(x: torch.Tensor) -> torch.Tensor:
+    return _ReluMask.apply(x, True)
+
+
+relu_mask.fxopt_op_name = "relu_mask"  # read by fxopt.analysis.saved_tensors.op_name
+relu_mask_.fxopt_op_name = "relu_mask_"

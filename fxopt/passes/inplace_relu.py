@@ -1,0 +1,161 @@
+"""inplace_relu: run ReLU-family activations in place where that is proven safe, and in training
+let relu keep a bool mask instead of its output where that frees memory.
+
+What it rewrites::
+
+    y = conv(x);  z = relu(y)            ->  y = conv(x);  z = relu(y, inplace=True)
+    y = bn(x);    z = relu(y) -> dropout ->  y = bn(x);    z = relu_mask_(y)   (training: keeps y > 0 as bool)
+    z = dropout(y)  with training=False  ->  (removed: it returns y itself)
+
+for `nn.ReLU` / `F.relu` / `torch.relu` / `x.relu()` and the family ReLU6, Hardtanh, LeakyReLU, ELU,
+Hardswish, SiLU (`fxopt.analysis.activations`), in every form.
+
+Why it is safe: overwriting the activation's input with its output is invisible when nothing
+else can observe the old values. The shared analyses prove that, site by site:
+`fxopt.analysis.aliasing` finds every tensor that may share the input's storage (views, reshapes,
+slices, in-place results), `fxopt.analysis.saved_tensors` says what each op keeps for backward.
+`relu_mask` (`fxopt.passes._relu_mask`) computes the same output and bit-identical gradients.
+
+When it refuses an in-place rewrite (reason in the report):
+  unknown_op             the input may alias the result of an op fxopt does not know
+  graph_input            the input is (a view of) a graph input, parameter or buffer: never mutated
+  used_later             the input itself is read after the activation
+  aliased                a view or other alias of the input is read after the activation
+  producer_saves_output  (training) the op that produced the input keeps its output for backward
+  saved_by_other_op      (training) another op keeps the input for backward (e.g. a `mul` reading it)
+  backward_needs_input   (training) hardtanh/relu6/hardswish/silu, or a negative slope/alpha:
+                         in place, autograd would keep a copy of the input (or cannot differentiate)
+In training, relu keeps a mask only where nothing else keeps its output alive; otherwise:
+  mask_kept_by_other_op  another op keeps the output for backward anyway (a following conv/linear)
+  mask_graph_output      the output is returned by the graph, so it stays alive anyway
+Module-form dropouts are dropped only in inference mode (in training mode their flag may change).
+
+Scope: this is for the eager path (`fxopt.optimize` without torch.compile). Under torch.compile,
+AOTAutograd functionalizes the graph and Inductor plans buffers itself, so in-place rewrites
+have no effect there; as a torch.compile backend the pass does nothing and says so.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..analysis.activations import ActivationCall, match_activation
+from ..analysis.aliasing import AliasInfo
+from ..analysis.saved_tensors import dropout_training, is_known_op, op_name, saved_for_backward
+from ..analysis.shapes import tensor_meta
+from ._relu_mask import relu_mask, relu_mask_
+from .base import TRAINING, Pass, PassContext, PassResult
+
+# In place, autograd keeps a copy of the input of these (their backward needs it): nothing is saved.
+_BACKWARD_NEEDS_INPUT = {"hardtanh", "relu6", "hardswish", "silu"}
+_CONSTANT = ("placeholder", "get_attr")
+
+
+def _describe(node: fx.Node, gm: fx.GraphModule) -> str:
+    return f"{node.name} ({op_name(node, gm) or node.target})" if node.op not in _CONSTANT else node.name
+
+
+def _inplace_refusal(act: ActivationCall, gm: fx.GraphModule, aliases: AliasInfo, training: bool) -> tuple[str, str]:
+    x, node = act.input, act.node
+    group = aliases.aliases(x)
+    unknown = [a for a in group if a.op not in (*_CONSTANT, "output") and not is_known_op(a, gm)]
+    if unknown:
+        return "unknown_op", f"{x.name} may alias the result of {_describe(unknown[0], gm)}, which fxopt does not know"
+    inputs = [a for a in group if a.op in _CONSTANT]
+    if inputs:
+        what = "a graph input" if inputs[0].op == "placeholder" else "a parameter or buffer"
+        return "graph_input", f"{x.name} is {'' if inputs[0] is x else 'a view of '}{what} ({inputs[0].name})"
+    later = aliases.value_reads_after(x, node)
+    if later:
+        return "used_later", f"{later[0].name} reads {x.name} after {node.name}"
+    for a in group:
+        later = aliases.value_reads_after(a, node) if a is not x else []
+        if later:
+            return "aliased", f"{later[0].name} reads {a.name}, which shares storage with {x.name}, after {node.name}"
+    if not training:
+        return "", ""
+    if act.kind in _BACKWARD_NEEDS_INPUT or min(act.params.get("negative_slope", 0), act.params.get("alpha", 0)) < 0:
+        return "backward_needs_input", f"in place, autograd would keep a copy of {x.name} for {act.kind}'s backward"
+    for a in group:
+        if a is not node and saved_for_backward(a, gm).saves_output:
+            return "producer_saves_output", f"{_describe(a, gm)} keeps its output for backward"
+    for a in group:
+        keepers = [u for u in a.users if u is not node and a in saved_for_backward(u, gm).saved_inputs]
+        if keepers:
+            return "saved_by_other_op", f"{_describe(keepers[0], gm)} keeps {a.name} for backward"
+    return "", ""
+
+
+def _mask_refusal(node: fx.Node, gm: fx.GraphModule, aliases: AliasInfo) -> tuple[str, str]:
+    """Why keeping a bool mask would free nothing: something else keeps relu's output alive."""
+    for a in aliases.aliases(node):
+        if a is not node and a.op not in _CONSTANT and saved_for_backward(a, gm).saves_output:
+            return "mask_kept_by_other_op", f"{_describe(a, gm)} keeps {a.name} for backward"
+        for user in a.users:
+            if user.op == "output":
+                return "mask_graph_output", f"{a.name} is returned by the graph"
+            if user is not node and a in saved_for_backward(user, gm).saved_inputs:
+                return "mask_kept_by_other_op", f"{_describe(user, gm)} keeps {a.name} for backward"
+    return "", ""
+
+
+def _rewrite(node: fx.Node, target, args: tuple, kwargs: dict) -> None:
+    """Turn `node` into a call of `target` where it stands (users, name and position are kept)."""
+    node.op, node.target = "call_function", target
+    node.args, node.kwargs = args, kwargs
+
+
+class InplaceReLU(Pass):
+    name = "inplace_relu"
+    summary = "Run ReLU-family activations in place where proven safe; in training relu keeps a bool mask."
+    options = {"relu_mask": (True, "in training, let relu keep a bool mask instead of its output where that frees memory")}
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        result = PassResult()
+        if ctx.frontend == "backend":
+            result.skipped = "under torch.compile, AOTAutograd functionalizes in-place ops and Inductor plans buffers"
+            return result
+        training = ctx.mode == TRAINING
+        self._drop_eval_dropouts(gm, training, result)
+        aliases = AliasInfo(gm)
+        for node in list(gm.graph.nodes):
+            act = match_activation(node, gm)
+            if act is None or act.inplace or not isinstance(act.input, fx.Node):
+                continue
+            reason, detail = _inplace_refusal(act, gm, aliases, training)
+            inplace = not reason
+            if inplace:
+                _rewrite(node, *act.inplace_form())
+                aliases.merge(node, act.input)
+                result.record("inplaced", node, detail=f"{act.kind} overwrites {act.input.name}")
+            else:
+                result.record("refused", node, reason, detail)
+            if training and act.kind == "relu" and self.option(ctx, "relu_mask"):
+                self._mask(gm, node, act, inplace, aliases, result)
+        return result
+
+    @staticmethod
+    def _mask(gm: fx.GraphModule, node: fx.Node, act: ActivationCall, inplace: bool, aliases: AliasInfo,
+              result: PassResult) -> None:
+        out = tensor_meta(node)
+        if out is None or not out.is_floating_point():
+            return
+        reason, detail = _mask_refusal(node, gm, aliases)
+        if reason:
+            result.record("refused", node, reason, detail)
+            return
+        _rewrite(node, relu_mask_ if inplace else relu_mask, (act.input,), {})
+        freed = out.numel() * (out.element_size() - 1)
+        result.figures["mask_saved_bytes"] = result.figures.get("mask_saved_bytes", 0) + freed
+        result.record("masked", node, detail=f"keeps a bool mask: {freed} bytes less kept for backward")
+
+    @staticmethod
+    def _drop_eval_dropouts(gm: fx.GraphModule, training: bool, result: PassResult) -> None:
+        """Remove dropouts that return their input unchanged (module-form ones only in inference)."""
+        for node in list(gm.graph.nodes):
+            if op_name(node, gm) != "dropout" or dropout_training(node) or not node.args:
+                continue
+            if node.op == "call_module" and training:
+                continue
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            result.record("dropped", node.name, detail="dropout in eval mode returns its input")
