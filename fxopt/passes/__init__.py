@@ -3,5 +3,6 @@ from __future__ import annotations
 
 from .base import Pass
 from .fold_conv_bn import FoldConvBN
+from .inplace_relu import InplaceReLU
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (FoldConvBN,)}
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (FoldConvBN, InplaceReLU)}
