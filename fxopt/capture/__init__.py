@@ -106,8 +106,8 @@ def _keep_plain_attributes(original: torch.nn.Module, gm: fx.GraphModule) -> Non
 
 
 def _is_torch_leaf(module: torch.nn.Module) -> bool:
-    """A torch.nn layer (Conv2d, ReLU, ...): alone in a graph there is nothing to optimize."""
-    return fx.Tracer().is_leaf_module(module, "")
+    """A torch.nn layer without children (Conv2d, ReLU, ...): alone in a graph there is nothing to optimize."""
+    return fx.Tracer().is_leaf_module(module, "") and not any(True for _ in module.children())
 
 
 class _Capturer:

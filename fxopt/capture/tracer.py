@@ -145,30 +145,32 @@ class _ShapeTracer(_LocatingTracer):
 
     def _evaluate(self, node: fx.Node):
         """The fake value `node` produces, or _MISSING when it cannot be known without real data."""
+        self.evaluating = True
+        try:
+            return self._run_on_fakes(node)
+        except Exception:  # noqa: BLE001 - data-dependent or unsupported on fake tensors: value unknown
+            return _MISSING
+        finally:
+            self.evaluating = False
+
+    def _run_on_fakes(self, node: fx.Node):
         if node.op == "placeholder":
             value = self.example_values.get(node.target, _MISSING)
             return self._fake(value) if isinstance(value, torch.Tensor) else value
         if node.op == "get_attr":
-            value = getattr(self.root, node.target, None) if "." not in node.target else \
-                _get_qualified(self.root, node.target)
+            value = _get_qualified(self.root, node.target)
             return self._fake(value) if isinstance(value, torch.Tensor) else _MISSING
         missing = []
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self._lookup(n, missing))
         if missing:
             return _MISSING
-        self.evaluating = True
-        try:
-            with self.fake_mode:
-                if node.op == "call_function":
-                    return node.target(*args, **kwargs)
-                if node.op == "call_method":
-                    return getattr(args[0], node.target)(*args[1:], **kwargs)
-                if node.op == "call_module":
-                    return self.root.get_submodule(node.target)(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - data-dependent or unsupported on fake tensors: value unknown
-            return _MISSING
-        finally:
-            self.evaluating = False
+        with self.fake_mode:
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            if node.op == "call_module":
+                return self.root.get_submodule(node.target)(*args, **kwargs)
         return _MISSING
 
     def _lookup(self, node: fx.Node, missing: list):
@@ -183,7 +185,7 @@ class _ShapeTracer(_LocatingTracer):
 
 def _get_qualified(root: torch.nn.Module, target: str):
     owner, _, name = target.rpartition(".")
-    return getattr(root.get_submodule(owner), name, None)
+    return getattr(root.get_submodule(owner) if owner else root, name, None)
 
 
 def _describe(e: Exception) -> str:
