@@ -3,9 +3,15 @@
     import fxopt
     fast = fxopt.optimize(model, (example_input,))
     print(fast.fxopt_report)
+
+    compiled = torch.compile(model, backend="fxopt")   # importing fxopt registers the backend
 """
+from . import _torch_private
 from .errors import FxoptError
 from .frontends.api import available_passes, optimize
+from .frontends.backend import backend, fxopt_backend
 
-__all__ = ["FxoptError", "available_passes", "optimize"]
+_torch_private.register_dynamo_backend("fxopt", fxopt_backend)
+
+__all__ = ["FxoptError", "available_passes", "backend", "optimize"]
 __version__ = "0.1.0"

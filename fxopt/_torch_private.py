@@ -142,11 +142,6 @@ def activation_memory_budget(fraction: float | None):
     return config.patch(activation_memory_budget=fraction) if fraction is not None else contextlib.nullcontext()
 
 
-def call_compiled(fn, args: list):
-    """Call a compiled graph whichever calling convention it uses (boxed: one list argument)."""
-    return fn(args) if getattr(fn, "_boxed_call", False) else fn(*args)
-
-
 def reset_dynamo() -> None:
     import torch._dynamo
 
