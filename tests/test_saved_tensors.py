@@ -1,0 +1,188 @@
+"""saved_for_backward: the table says what autograd really keeps, checked with saved_tensors_hooks.
+
+Each case is traced, run with every input and parameter requiring grad, and the storages packed
+by autograd while each node runs are compared with the storages of the nodes the table names
+(the node itself when it `saves_output`, and its `saved_inputs`). Parameters and buffers are
+left out of the comparison (the module form holds them as attributes, not nodes).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxopt.analysis.shapes import propagate_shapes
+from fxopt.analysis.saved_tensors import op_name, saved_bytes, saved_for_backward
+from fxopt.passes._relu_mask import relu_mask, relu_mask_
+
+fx.wrap("relu_mask")
+fx.wrap("relu_mask_")
+
+
+def opaque(x, y):
+    """A function fxopt knows nothing about (kept as one call by the tracer)."""
+    return x * y
+
+
+fx.wrap("opaque")
+
+
+class Case(nn.Module):
+    """`fn(modules, x, y)` on non-leaf copies of the inputs (so in-place ops are allowed)."""
+
+    def __init__(self, fn, *modules: nn.Module):
+        super().__init__()
+        self.fn = fn
+        self.mods = nn.ModuleList(modules)
+
+    def forward(self, x, y):
+        return self.fn(self.mods, x * 1.0, y * 1.0)
+
+
+def unary(fn, *modules: nn.Module) -> Case:
+    return Case(lambda m, x, y: fn(m, x), *modules)
+
+
+def _square(shape=(4, 6)):
+    return (torch.randn(*shape),)
+
+
+IMAGE = (torch.randn(2, 3, 6, 6),)
+CASES = {
+    # activations and pointwise ops, every form
+    "relu": (unary(lambda m, x: torch.relu(x)), _square() + _square()),
+    "F.relu": (unary(lambda m, x: F.relu(x)), _square() + _square()),
+    "x.relu()": (unary(lambda m, x: x.relu()), _square() + _square()),
+    "nn.ReLU": (unary(lambda m, x: m[0](x), nn.ReLU()), _square() + _square()),
+    "relu_": (unary(lambda m, x: torch.relu_(x)), _square() + _square()),
+    "nn.ReLU(inplace)": (unary(lambda m, x: m[0](x), nn.ReLU(inplace=True)), _square() + _square()),
+    "relu6": (unary(lambda m, x: F.relu6(x)), _square() + _square()),
+    "relu6_": (unary(lambda m, x: F.relu6(x, inplace=True)), _square() + _square()),
+    "hardtanh": (unary(lambda m, x: m[0](x), nn.Hardtanh(-0.5, 0.5)), _square() + _square()),
+    "leaky_relu": (unary(lambda m, x: F.leaky_relu(x, 0.2)), _square() + _square()),
+    "leaky_relu_": (unary(lambda m, x: F.leaky_relu(x, 0.2, True)), _square() + _square()),
+    "elu": (unary(lambda m, x: F.elu(x)), _square() + _square()),
+    "elu_": (unary(lambda m, x: F.elu(x, inplace=True)), _square() + _square()),
+    "hardswish": (unary(lambda m, x: F.hardswish(x)), _square() + _square()),
+    "hardswish_": (unary(lambda m, x: F.hardswish(x, inplace=True)), _square() + _square()),
+    "silu": (unary(lambda m, x: m[0](x), nn.SiLU()), _square() + _square()),
+    "silu_": (unary(lambda m, x: F.silu(x, inplace=True)), _square() + _square()),
+    "gelu": (unary(lambda m, x: F.gelu(x)), _square() + _square()),
+    "sigmoid": (unary(lambda m, x: torch.sigmoid(x)), _square() + _square()),
+    "tanh": (unary(lambda m, x: x.tanh()), _square() + _square()),
+    "exp": (unary(lambda m, x: torch.exp(x)), _square() + _square()),
+    "softmax": (unary(lambda m, x: F.softmax(x, -1)), _square() + _square()),
+    "log_softmax": (unary(lambda m, x: x.log_softmax(-1)), _square() + _square()),
+    "abs": (unary(lambda m, x: x.abs()), _square() + _square()),
+    "relu_mask": (unary(lambda m, x: relu_mask(x)), _square() + _square()),
+    "relu_mask_": (unary(lambda m, x: relu_mask_(x)), _square() + _square()),
+    # binary ops and layers
+    "add": (Case(lambda m, x, y: x + y), _square() + _square()),
+    "sub": (Case(lambda m, x, y: torch.sub(x, y)), _square() + _square()),
+    "mul": (Case(lambda m, x, y: x * y), _square() + _square()),
+    "div": (Case(lambda m, x, y: x / y), _square() + _square()),
+    "matmul": (Case(lambda m, x, y: x @ y.t()), _square() + _square()),
+    "linear": (unary(lambda m, x: m[0](x), nn.Linear(6, 5)), _square() + _square()),
+    "F.linear": (Case(lambda m, x, w: F.linear(x, w)), _square() + _square((5, 6))),
+    "conv2d": (unary(lambda m, x: m[0](x), nn.Conv2d(3, 4, 3)), IMAGE + _square()),
+    "batch_norm": (unary(lambda m, x: m[0](x), nn.BatchNorm2d(3)), IMAGE + _square()),
+    "layer_norm": (unary(lambda m, x: m[0](x), nn.LayerNorm(6)), _square() + _square()),
+    "max_pool2d": (unary(lambda m, x: F.max_pool2d(x, 2)), IMAGE + _square()),
+    "avg_pool2d": (unary(lambda m, x: m[0](x), nn.AvgPool2d(2)), IMAGE + _square()),
+    "adaptive_avg_pool2d": (unary(lambda m, x: m[0](x), nn.AdaptiveAvgPool2d(1)), IMAGE + _square()),
+    "dropout (train)": (unary(lambda m, x: m[0](x), nn.Dropout(0.5)), _square() + _square()),
+    # copies, reductions and views
+    "cat": (Case(lambda m, x, y: torch.cat([x, y])), _square() + _square()),
+    "sum/mean": (unary(lambda m, x: x.sum(0) + x.mean(0)), _square() + _square()),
+    "views": (unary(lambda m, x: x.view(6, 4).t().flatten().reshape(4, 6)[1:].transpose(0, 1)), _square() + _square()),
+    "clone/contiguous": (unary(lambda m, x: x.t().contiguous().clone()), _square() + _square()),
+}
+# What autograd keeps beyond graph nodes (masks, indices, copies, batch statistics): bytes are
+# compared exactly only for ops whose extras the table models; norm layers keep per-channel stats.
+_APPROXIMATE_BYTES = {"batch_norm", "layer_norm"}
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph, remembering each node's value and the tensors packed while it ran."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values: dict[fx.Node, object] = {}
+        self.packed: dict[fx.Node, list[torch.Tensor]] = {}
+
+    def run_node(self, n):
+        packed = self.packed.setdefault(n, [])
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            out = super().run_node(n)
+        self.values[n] = out
+        return out
+
+
+def _storage(t) -> int | None:
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_table_matches_autograd(name):
+    """For every op in the table, the storages autograd packs are exactly those the table names."""
+    module, inputs = CASES[name]
+    module.train(True)
+    gm = fx.symbolic_trace(module)
+    propagate_shapes(gm, inputs)
+    recorder = _Recorder(gm)
+    recorder.run(*[x.clone().requires_grad_() for x in inputs])
+    constants = {_storage(t) for t in [*gm.parameters(), *gm.buffers()]}
+    prelude = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    prelude |= {u for p in prelude for u in p.users}  # the `x * 1.0` copies
+    checked = 0
+    for node in gm.graph.nodes:
+        if node in prelude or node.op == "output":
+            continue
+        saved = saved_for_backward(node, gm)
+        assert saved.known, f"{node.name} ({op_name(node, gm)}) is not in the table"
+        expected = {_storage(recorder.values[n]) for n in saved.saved_inputs}
+        if saved.saves_output:
+            expected.add(_storage(recorder.values[node]))
+        packed = recorder.packed[node]
+        node_storages = {_storage(v) for v in recorder.values.values()}
+        actual = {_storage(t) for t in packed} & node_storages
+        assert actual == expected - constants, f"{node.name}: autograd keeps {actual}, table says {expected}"
+        extra = sum(t.untyped_storage().nbytes() for t in packed
+                    if _storage(t) not in node_storages | constants)
+        mine = sum(t.untyped_storage().nbytes() for t in packed if _storage(t) in actual - constants)
+        if op_name(node, gm) not in _APPROXIMATE_BYTES:
+            assert saved_bytes(node, gm) == mine + extra, f"{node.name}: saved_bytes is off"
+        checked += 1
+    assert checked
+
+
+def test_unknown_op_is_assumed_to_keep_everything():
+    """An op outside the table is `known=False`, keeping its output and every tensor input."""
+    gm = fx.symbolic_trace(Case(lambda m, x, y: opaque(x, y)))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is opaque)
+    saved = saved_for_backward(node, gm)
+    assert (saved.known, saved.saves_output, len(saved.saved_inputs)) == (False, True, 2)
+
+
+def test_eval_dropout_keeps_nothing():
+    """A dropout with training=False keeps no mask, so saved_bytes is 0."""
+    module = unary(lambda m, x: m[0](x), nn.Dropout(0.5)).eval()
+    gm = fx.symbolic_trace(module)
+    propagate_shapes(gm, _square() + _square())
+    node = next(n for n in gm.graph.nodes if n.op == "call_module")
+    assert saved_bytes(node, gm) == 0
+
+
+def test_subclass_with_own_forward_is_unknown():
+    """A subclass of nn.ReLU that overrides forward could compute anything: not in the table."""
+    class Doubled(nn.ReLU):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    graph = fx.Graph()
+    node = graph.call_module("act", (graph.placeholder("x"),))
+    graph.output(node)
+    gm = fx.GraphModule(nn.ModuleDict({"act": Doubled()}), graph)
+    assert op_name(node, gm) is None
