@@ -84,6 +84,9 @@ _TABLE: dict[str, _Rule] = {
                      "layer_norm", "group_norm", "instance_norm", "embedding"], _KEEPS_ALL_INPUTS),
     # fxopt's relu that keeps a bool mask of where its input was positive (fxopt.passes._relu_mask)
     **dict.fromkeys(["relu_mask", "relu_mask_"], _Rule(extra=_bool_like_output)),
+    # fxopt's conv placed where the weight is frozen: keeps its weight, never its input (fxopt.passes._frozen_ops)
+    "conv_saving_what_grads_need": _Rule(extra=lambda node: _bytes_of(node.args[1]) if node.args[1].op not in
+                                         ("placeholder", "get_attr") else 0),
     # train-mode dropout keeps its noise tensor, not its input
     "dropout": _Rule(extra=_dropout_mask),
     # linear in their inputs, reductions that need only shapes, copies and views: nothing kept

@@ -62,6 +62,7 @@ class PassContext:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     constant_inputs: frozenset[str] = frozenset()
     frontend: str = "api"  # "api" (eager result) or "backend" (handed on to torch.compile)
+    graph_path: str | None = None  # where the graph being rewritten sits: "" the whole model, None unknown
 
 
 class Pass:

@@ -6,6 +6,7 @@ exception inside a pass is re-raised as FxoptError naming that pass and the ones
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -51,7 +52,7 @@ class PassManager:
         nodes_before = len(gm.graph.nodes)
         start = time.perf_counter()
         try:
-            result = p.run(gm, ctx)
+            result = p.run(gm, dataclasses.replace(ctx, graph_path=g.path))
             gm.graph.lint()
             gm.recompile()
         except FxoptError:

@@ -1,0 +1,177 @@
+"""Which graph nodes do something besides computing their result, and what.
+
+Dead-code elimination may drop a node nobody reads only if running it changes nothing else.
+torch.fx's own `eliminate_dead_code` trusts `Node.is_impure`, which calls every module pure and
+misses `F.dropout`, `print`, `x.add_(y)` written as a method, and a train-mode BatchNorm that
+updates its running statistics. `effects(node, gm)` names every effect a node may have:
+
+  MUTATION  writes into a tensor it was given (in-place ops and methods, `inplace=True`, `out=`,
+            `operator.setitem`, augmented assignment on tensors)
+  RNG       draws from the random generator (dropout in training, `torch.rand*`, `bernoulli`, ...):
+            dropping it shifts every later draw
+  STATS     updates buffers: BatchNorm / InstanceNorm in training with running statistics
+  IO        is seen from outside: `print`, `assert`, hooks on the module, ops torch marks effectful
+  OPAQUE    runs code we cannot see: modules outside torch.nn, user functions, overridden forwards
+
+Anything not recognised is OPAQUE, so a caller that keeps effectful nodes is sound by default.
+"""
+from __future__ import annotations
+
+import builtins
+import inspect
+import math
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .. import _torch_private
+
+MUTATION, RNG, STATS, IO, OPAQUE = "mutation", "rng", "stats", "io", "opaque"
+NO_EFFECTS: frozenset[str] = frozenset()
+
+_RANDOM_FUNCTIONS = {
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, F.gumbel_softmax,
+}
+# Functions that draw random numbers only when their `training` argument is true (default in brackets).
+_RANDOM_WHEN_TRAINING = {
+    F.dropout: True, F.dropout1d: True, F.dropout2d: True, F.dropout3d: True, F.alpha_dropout: False,
+    F.feature_alpha_dropout: False, F.rrelu: False, torch.dropout: None, torch.feature_dropout: None,
+    torch.alpha_dropout: None, torch.feature_alpha_dropout: None,
+}
+_RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_", "geometric_",
+                   "cauchy_", "log_normal_", "bernoulli_"}
+_IO_FUNCTIONS = {builtins.print, torch._assert, torch.manual_seed, torch.set_grad_enabled}
+_MUTATING_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                       operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+_IO_METHODS = {"register_hook", "retain_grad", "backward", "record_stream", "__setitem__", "__delitem__"}
+_PURE_NAMESPACES = (operator, math)
+# fxopt's own helper functions that compute only their result.
+_PURE_FXOPT_FUNCTIONS = {"fxopt.passes.fold_conv_bn.folded_conv_bn_params",
+                         "fxopt.passes._frozen_ops.eval_batch_norm_scale_shift",
+                         "fxopt.passes._frozen_ops.conv_saving_what_grads_need",
+                         "fxopt.passes._frozen_ops.relu_saving_mask"}
+# fxopt's wrappers that run another callable (their first argument): they have its effects.
+_WRAPPER_FUNCTIONS = {"fxopt.passes._frozen_ops.call_without_grad"}
+_NORM_MODULES = (torch.nn.modules.batchnorm._NormBase,)
+_DROPOUT_MODULES = (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)
+
+
+def _qualified(fn) -> str:
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
+
+
+def _bound_flag(fn, args, kwargs, name: str, default):
+    """The value `fn(*args, **kwargs)` receives for parameter `name` (computed in the graph: None)."""
+    try:
+        value = inspect.signature(fn).bind(*args, **kwargs).arguments.get(name, default)
+    except (TypeError, ValueError):  # a builtin without a Python signature: keywords only
+        value = kwargs.get(name, default)
+    return None if isinstance(value, fx.Node) else value
+
+
+def _is_torch_callable(fn) -> bool:
+    return _qualified(fn).startswith(("torch.", "torch._C", "builtins.")) or fn in vars(builtins).values()
+
+
+def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
+    name = getattr(fn, "__name__", "")
+    if _qualified(fn) in _WRAPPER_FUNCTIONS:
+        return _wrapped_effects(args[0], args[1:], kwargs, gm)
+    if _qualified(fn) in _PURE_FXOPT_FUNCTIONS:
+        return NO_EFFECTS
+    if isinstance(fn, _torch_private.op_overload_types()):
+        kinds = {MUTATION} if _torch_private.op_is_mutable(fn) else set()
+        if _torch_private.op_is_random(fn):
+            kinds.add(RNG)
+        if not kinds and _torch_private.fx_is_impure(fn, args, kwargs):
+            kinds.add(IO)
+        return frozenset(kinds)
+    if fn in _RANDOM_FUNCTIONS:
+        return frozenset({RNG})
+    if fn in _IO_FUNCTIONS or _torch_private.fx_is_impure(fn, args, kwargs):
+        return frozenset({IO})
+    if fn in _MUTATING_OPERATORS or "out" in kwargs:
+        return frozenset({MUTATION})
+    if any(getattr(ns, name, None) is fn for ns in _PURE_NAMESPACES):
+        return NO_EFFECTS
+    if not _is_torch_callable(fn):
+        return frozenset({OPAQUE})
+    kinds = set()
+    if name.endswith("_") and not name.endswith("__") or _bound_flag(fn, args, kwargs, "inplace", False) is not False:
+        kinds.add(MUTATION)
+    if fn in _RANDOM_WHEN_TRAINING:
+        default = _RANDOM_WHEN_TRAINING[fn]
+        if default is None or _bound_flag(fn, args, kwargs, "training", default) is not False:
+            kinds.add(RNG)
+    if _updates_running_stats(fn, args, kwargs):
+        kinds.add(STATS)
+    return frozenset(kinds)
+
+
+def _updates_running_stats(fn, args: tuple, kwargs: dict) -> bool:
+    """A functional norm that normalises with batch statistics and is given running statistics."""
+    if fn is F.batch_norm:
+        return (_bound_flag(fn, args, kwargs, "training", False) is not False
+                and _bound_flag(fn, args, kwargs, "running_mean", None) is not None)
+    if fn is F.instance_norm:
+        return _bound_flag(fn, args, kwargs, "running_mean", None) is not None
+    if fn is torch.batch_norm:  # (input, weight, bias, running_mean, running_var, training, ...)
+        return not (len(args) > 5 and args[5] is False) and not (len(args) > 3 and args[3] is None)
+    return False
+
+
+def _method_effects(name: str, kwargs: dict) -> frozenset[str]:
+    kinds = set()
+    if name in _IO_METHODS:
+        kinds.add(IO)
+    if name.endswith("_") and not name.endswith("__") or name.startswith("__i") and name.endswith("__"):
+        kinds.add(MUTATION)
+    if name in _RANDOM_METHODS:
+        kinds.add(RNG)
+    if "out" in kwargs:
+        kinds.add(MUTATION)
+    return frozenset(kinds)
+
+
+def _module_effects(module: torch.nn.Module) -> frozenset[str]:
+    if _torch_private.module_hooks(module):
+        return frozenset({IO})
+    if not type(module).__module__.startswith("torch.nn.") or isinstance(module, fx.GraphModule):
+        return frozenset({OPAQUE})
+    kinds = set()
+    if getattr(module, "inplace", False):
+        kinds.add(MUTATION)
+    if module.training and (isinstance(module, _DROPOUT_MODULES) or getattr(module, "dropout", 0) not in (0, 0.0)):
+        kinds.add(RNG)
+    if isinstance(module, _NORM_MODULES) and module.training and module.track_running_stats:
+        kinds.add(STATS)
+    return frozenset(kinds)
+
+
+def _wrapped_effects(target, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
+    """Effects of the callable an fxopt wrapper runs: a submodule (get_attr), a method name, or a function."""
+    if isinstance(target, fx.Node) and target.op == "get_attr":
+        return _module_effects(gm.get_submodule(target.target))
+    if isinstance(target, str):
+        return _method_effects(target, kwargs)
+    return _function_effects(target, args, kwargs, gm)
+
+
+def effects(node: fx.Node, gm: fx.GraphModule) -> frozenset[str]:
+    """Every effect `node` may have besides producing its value (see module docstring)."""
+    if node.op == "call_function":
+        return _function_effects(node.target, node.args, node.kwargs, gm)
+    if node.op == "call_method":
+        return _method_effects(node.target, node.kwargs)
+    if node.op == "call_module":
+        return _module_effects(gm.get_submodule(node.target))
+    return NO_EFFECTS  # placeholder, get_attr, output: kept or dropped by their own rules
+
+
+def removable_if_unused(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """A node that may be erased when nothing reads it: a call or attribute fetch with no effect."""
+    return node.op in ("call_function", "call_method", "call_module", "get_attr") and not effects(node, gm)

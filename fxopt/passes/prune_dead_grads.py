@@ -1,0 +1,336 @@
+"""prune_dead_grads: do no backward work, and keep no saved tensor, that no gradient needs.
+
+Autograd skips gradients of tensors that do not require grad, but it records and saves for
+everything upstream of any output that requires grad, and it keeps a convolution's input even
+when only the input gradient is wanted. In training mode this pass removes that waste:
+
+1. Outputs outside the loss. With `differentiable_outputs` (indices into the output tuple, or
+   keys of a dict output) naming what the loss differentiates, every node that feeds only the
+   other outputs runs under `torch.no_grad()`; those outputs come back with
+   `requires_grad=False` (`detach` where their value is also used by the loss). Backward from
+   such an output then fails with autograd's own error ("element 0 of tensors does not require
+   grad"); adding it into a loss silently contributes no gradient: that is what was declared.
+       h = body(x); aux = aux_head(h); return main_head(h), aux
+     becomes (differentiable_outputs=[0])
+       h = body(x); aux = call_without_grad(aux_head, h); return main_head(h), aux
+2. Frozen layers in the middle (trainable stem -> frozen body -> trainable head). Gradient must
+   flow through a frozen conv, but its weight needs none, so its input need not be kept:
+   the conv becomes `conv_saving_what_grads_need`; an eval-mode BatchNorm with frozen affine
+   parameters becomes `x * scale + shift` (nothing kept) (fxopt.passes._frozen_ops). A ReLU
+   between frozen convs then has its float output kept by nobody but itself, which lets
+   inplace_relu (next in the pipeline) keep a bool mask instead. Each op is first run alone on fake
+   tensors under `saved_tensors_hooks` with the graph's requires_grad pattern
+   (`grad_needs.really_saved`): a site is rewritten only where the op really keeps the waste
+   (`F.linear` with a frozen weight keeps no input in eager already, so it is left alone).
+3. Dead code: a node nobody reads is erased unless it has an effect
+   (`fxopt.analysis.side_effects`: in-place writes, RNG draws, BatchNorm statistics, print,
+   assert, hooks, opaque modules all stay).
+
+Why it is safe: a value no differentiated output depends on receives no gradient, so recording
+it only costs memory; values that a differentiated output reads, and everything feeding an
+in-place write or opaque code, stay recorded. The frozen-layer ops decide at run time from
+`requires_grad` what to keep, so unfreezing a layer later still gives full gradients. Running a
+dropout or a train-mode BatchNorm under no_grad draws the same numbers and updates the same
+statistics. In inference mode only dead-code elimination runs (nothing is recorded there).
+
+When it refuses (reason in the report):
+  not_model_outputs   differentiable_outputs given, but this graph's outputs are not the model's
+                      (a captured submodule, or a Dynamo graph on the torch.compile path)
+  module_has_hooks    the conv/BN module has hooks, which a functional replacement would skip
+  unsupported_conv    padding_mode other than zeros, ConvTranspose with output_size, string padding
+  unbatched           a conv input without a batch dimension
+  mixed_dtype         a BatchNorm whose statistics and input differ in dtype (autocast, half)
+  no_waste            the op does not keep its input here (nothing to gain)
+
+The report's figures: which parameters and inputs still need a gradient, the trainable
+parameters that no longer get one, and saved-for-backward bytes before/after
+(`fxopt.analysis.costs.estimate_costs`, measured on fake tensors).
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Hashable
+
+import torch
+import torch.fx as fx
+
+from .. import _torch_private
+from ..analysis.costs import estimate_costs, placeholder_values
+from ..analysis.grad_needs import GradNeeds, analyze_grad_needs, really_saved
+from ..analysis.ops import ConvCall, match_batch_norm, match_conv, materialize, resolve
+from ..analysis.saved_tensors import op_name
+from ..analysis.shapes import tensor_meta
+from ..analysis.side_effects import removable_if_unused
+from ..errors import FxoptError
+from ._frozen_ops import call_without_grad, conv_saving_what_grads_need, eval_batch_norm_scale_shift
+from .base import INFERENCE, Pass, PassContext, PassResult
+
+def parse_differentiable_outputs(value) -> tuple | None:
+    """None, or a tuple of output indices (ints) or of dict keys (strs); anything else is an FxoptError."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (int, str)) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, (int, str)) and not isinstance(i, bool)
+                                                     for i in items):
+        raise FxoptError(f"differentiable_outputs must be None, an output index, a dict key, or a list of "
+                         f"them; got {value!r}")
+    if len({type(i) for i in items}) > 1:
+        raise FxoptError(f"differentiable_outputs mixes indices and keys: {value!r}")
+    return tuple(items)
+
+
+def output_entries(gm: fx.GraphModule) -> dict[Hashable, object]:
+    """The model's outputs by index (tuple/list or a single value) or key (dict)."""
+    out = gm.graph.find_nodes(op="output")[0].args[0]
+    if isinstance(out, dict):
+        return dict(out)
+    if isinstance(out, (tuple, list)):
+        return dict(enumerate(out))
+    return {0: out}
+
+
+def _chosen(entries: dict, selection: tuple) -> set:
+    keyed = all(isinstance(k, str) for k in entries) and entries
+    for item in selection:
+        if isinstance(item, str) and not keyed:
+            raise FxoptError(f"differentiable_outputs names key {item!r}, but the model returns "
+                             f"{len(entries)} positional output(s); use indices 0..{len(entries) - 1}")
+        if isinstance(item, int) and keyed:
+            raise FxoptError(f"differentiable_outputs gives index {item}, but the model returns a dict; "
+                             f"use its keys: {', '.join(map(repr, entries))}")
+        if item not in entries:
+            what = (f"keys: {', '.join(map(repr, entries))}" if keyed
+                    else f"{len(entries)} output(s), indices 0..{len(entries) - 1}")
+            raise FxoptError(f"differentiable_outputs {item!r} is not an output of the model ({what})")
+    return set(selection)
+
+
+def _leaves(entry) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(entry, found.append)
+    return found
+
+
+def _is_trainable(ref, gm: fx.GraphModule, needs: GradNeeds) -> bool:
+    if ref is None:
+        return False
+    if isinstance(ref, fx.Node):
+        return ref in needs.requires_grad
+    return resolve(ref, gm).requires_grad
+
+
+def _ntuple(value, n: int) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+
+
+class PruneDeadGrads(Pass):
+    name = "prune_dead_grads"
+    summary = "Record and save nothing no gradient needs: no_grad side outputs, frozen layers keep no input; DCE."
+    options = {"differentiable_outputs": (None, "outputs the loss differentiates: indices into the output "
+                                                "tuple or keys of a dict output (None: all)")}
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        result = PassResult()
+        selection = parse_differentiable_outputs(self.option(ctx, "differentiable_outputs"))
+        if ctx.mode == INFERENCE:
+            if selection is not None:
+                raise FxoptError("differentiable_outputs applies to training; in inference nothing is differentiated")
+            self._eliminate_dead_code(gm, result)
+            return result
+        before = estimate_costs(gm, placeholder_values(gm), training=True)
+        self._eliminate_dead_code(gm, result)
+        chosen = self._chosen_outputs(gm, ctx, selection, result)
+        needs = self._analyze(gm, ctx, chosen)
+        self._figures(needs, ctx, result)
+        self._run_without_grad(gm, needs, result)
+        self._detach_outputs(gm, needs, chosen, result)
+        self._rewrite_frozen(gm, lambda: self._analyze(gm, ctx, chosen), result)
+        gm.recompile()
+        after = estimate_costs(gm, placeholder_values(gm), training=True)
+        if before is not None and after is not None:
+            result.figures["saved_bytes_before"] = before.saved_bytes
+            result.figures["saved_bytes_after"] = after.saved_bytes
+            result.figures["bytes_no_longer_saved"] = before.saved_bytes - after.saved_bytes
+        return result
+
+    # ---- analysis ----
+
+    def _chosen_outputs(self, gm: fx.GraphModule, ctx: PassContext, selection, result: PassResult) -> set:
+        entries = output_entries(gm)
+        if selection is None:
+            return set(entries)
+        if ctx.graph_path != "" or ctx.frontend != "api":
+            where = f"graph {ctx.graph_path!r}" if ctx.graph_path else "a torch.compile graph"
+            result.record("refused", "output", "not_model_outputs",
+                          f"{where} does not return the model's outputs; differentiable_outputs not applied")
+            return set(entries)
+        return _chosen(entries, selection)
+
+    @staticmethod
+    def _analyze(gm: fx.GraphModule, ctx: PassContext, chosen: set) -> GradNeeds:
+        entries = output_entries(gm)
+        differentiated = [leaf for key in chosen for leaf in _leaves(entries[key])]
+        return analyze_grad_needs(gm, differentiated, ctx.constant_inputs)
+
+    # ---- 3. dead code ----
+
+    @staticmethod
+    def _eliminate_dead_code(gm: fx.GraphModule, result: PassResult) -> None:
+        for node in reversed(list(gm.graph.nodes)):
+            if not node.users and removable_if_unused(node, gm):
+                if node.op != "get_attr":
+                    result.record("removed", node, "dead", "nothing reads it and it has no side effect")
+                gm.graph.erase_node(node)
+
+    # ---- 1. outputs outside the loss ----
+
+    @staticmethod
+    def _run_without_grad(gm: fx.GraphModule, needs: GradNeeds, result: PassResult) -> None:
+        graph = gm.graph
+        for node in needs.no_grad_nodes:
+            with graph.inserting_before(node):
+                target = graph.get_attr(node.target) if node.op == "call_module" else node.target
+                new = graph.call_function(call_without_grad, (target, *node.args), dict(node.kwargs))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            result.record("no_grad", new, detail=f"{node.name} feeds only outputs nobody differentiates")
+
+    @staticmethod
+    def _detach_outputs(gm: fx.GraphModule, needs: GradNeeds, chosen: set, result: PassResult) -> None:
+        output = gm.graph.find_nodes(op="output")[0]
+        entries = output_entries(gm)
+        replaced = {}
+        for key, entry in entries.items():
+            if key in chosen:
+                continue
+            recorded = list(dict.fromkeys(leaf for leaf in _leaves(entry) if leaf in needs.requires_grad))
+            if not recorded:
+                continue
+            detached = {}
+            with gm.graph.inserting_before(output):
+                for leaf in recorded:
+                    detached[leaf] = gm.graph.call_method("detach", (leaf,))
+                    detached[leaf].meta.update(leaf.meta)
+            replaced[key] = fx.node.map_arg(entry, lambda n: detached.get(n, n))
+            result.record("detached", f"output[{key!r}]",
+                          detail="declared non-differentiable: returned with requires_grad=False")
+        if not replaced:
+            return
+        out = output.args[0]
+        if isinstance(out, dict):
+            new_out = {k: replaced.get(k, v) for k, v in out.items()}
+        elif isinstance(out, (tuple, list)):
+            new_out = type(out)(replaced.get(i, v) for i, v in enumerate(out))
+        else:
+            new_out = replaced[0]
+        output.args = (new_out,)
+
+    # ---- 2. frozen layers ----
+
+    def _rewrite_frozen(self, gm: fx.GraphModule, analyze: Callable[[], GradNeeds], result: PassResult) -> None:
+        """Rewrite frozen convs and eval BatchNorms, re-analysing after each rewrite (new nodes)."""
+        needs = analyze()
+        for node in list(gm.graph.nodes):
+            if not needs.recorded(node) or node.op not in ("call_function", "call_module"):
+                continue
+            conv = match_conv(node, gm)
+            bn = match_batch_norm(node, gm) if conv is None else None
+            if conv is not None:
+                rewritten = self._frozen_conv(gm, conv, needs, result)
+            elif bn is not None and bn.uses_running_stats and op_name(node, gm) == "batch_norm":
+                rewritten = self._frozen_batch_norm(gm, bn, needs, result)
+            else:
+                rewritten = False
+            if rewritten:
+                needs = analyze()
+
+    @staticmethod
+    def _refusal(node: fx.Node, gm: fx.GraphModule, needs: GradNeeds, input_node: fx.Node) -> tuple[str, str]:
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if module is not None and _torch_private.module_hooks(module):
+            return "module_has_hooks", f"hooks: {', '.join(_torch_private.module_hooks(module))}"
+        saved = really_saved(node, gm, needs.requires_grad)
+        if saved is None or input_node not in saved.saved_inputs:
+            return "no_waste", "the op keeps no copy of its input here"
+        return "", ""
+
+    def _frozen_conv(self, gm: fx.GraphModule, conv: ConvCall, needs: GradNeeds, result: PassResult) -> bool:
+        node = conv.node
+        if conv.input not in needs.requires_grad or _is_trainable(conv.weight, gm, needs):
+            return False  # nothing flows through, or the weight gradient really needs the input
+        reason, detail = self._conv_refusal(conv)
+        if not reason:
+            reason, detail = self._refusal(node, gm, needs, conv.input)
+        if reason:
+            result.record("refused", node, reason, detail)
+            return False
+        n = conv.spatial_dims
+        with gm.graph.inserting_before(node):
+            args = (conv.input, materialize(conv.weight, gm), materialize(conv.bias, gm), _ntuple(conv.stride, n),
+                    _ntuple(conv.padding, n), _ntuple(conv.dilation, n), conv.transposed,
+                    _ntuple(conv.output_padding, n), conv.groups)
+            new = gm.graph.call_function(conv_saving_what_grads_need, args)
+        self._replace(gm, node, new)
+        result.record("frozen_conv", new, detail=f"{node.name}: weight needs no gradient, so this op no "
+                                                 f"longer keeps its input ({_nbytes(conv.input)} B)")
+        return True
+
+    @staticmethod
+    def _conv_refusal(conv: ConvCall) -> tuple[str, str]:
+        if conv.unsupported:
+            return "unsupported_conv", conv.unsupported
+        if isinstance(conv.padding, str):
+            return "unsupported_conv", f"padding={conv.padding!r}"
+        x = tensor_meta(conv.input)
+        if x is None or x.dim() != conv.spatial_dims + 2:
+            return "unbatched", "input has no batch dimension"
+        return "", ""
+
+    def _frozen_batch_norm(self, gm: fx.GraphModule, bn, needs: GradNeeds, result: PassResult) -> bool:
+        node = bn.node
+        if bn.input not in needs.requires_grad or _is_trainable(bn.weight, gm, needs) \
+                or _is_trainable(bn.bias, gm, needs):
+            return False
+        x, mean = tensor_meta(bn.input), resolve(bn.running_mean, gm)
+        mean = mean if mean is not None else tensor_meta(bn.running_mean)
+        if x is None or mean is None or x.dtype != mean.dtype:
+            result.record("refused", node, "mixed_dtype", "statistics and input differ in dtype")
+            return False
+        reason, detail = self._refusal(node, gm, needs, bn.input)
+        if reason:
+            result.record("refused", node, reason, detail)
+            return False
+        graph = gm.graph
+        with graph.inserting_before(node):
+            refs = [materialize(r, gm) for r in (bn.running_mean, bn.running_var, bn.weight, bn.bias)]
+            pair = graph.call_function(eval_batch_norm_scale_shift, (*refs,), {"eps": bn.eps, "ndim": x.dim()})
+            scale = graph.call_function(operator.getitem, (pair, 0))
+            shift = graph.call_function(operator.getitem, (pair, 1))
+            scaled = graph.call_function(operator.mul, (bn.input, scale))
+            new = graph.call_function(operator.add, (scaled, shift))
+        self._replace(gm, node, new)
+        result.record("frozen_bn", new, detail=f"{node.name}: eval BatchNorm with frozen affine no longer "
+                                               f"keeps its input ({_nbytes(bn.input)} B)")
+        return True
+
+    @staticmethod
+    def _replace(gm: fx.GraphModule, old: fx.Node, new: fx.Node) -> None:
+        new.meta.update(old.meta)
+        old.replace_all_uses_with(new)
+        gm.graph.erase_node(old)
+
+    # ---- report ----
+
+    @staticmethod
+    def _figures(needs: GradNeeds, ctx: PassContext, result: PassResult) -> None:
+        """Which parameters and inputs still need a gradient (names prefixed by the graph's path)."""
+        prefix = f"{ctx.graph_path}:" if ctx.graph_path else ""
+        result.figures["params_needing_grad"] = [prefix + p for p in needs.params_needing_grad]
+        result.figures["params_losing_grad"] = [prefix + p for p in needs.params_losing_grad]
+        result.figures["inputs_needing_grad"] = [prefix + p for p in needs.inputs_needing_grad]
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = tensor_meta(node)
+    return val.numel() * val.element_size() if val is not None else 0

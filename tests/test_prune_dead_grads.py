@@ -1,0 +1,495 @@
+"""prune_dead_grads: no_grad for outputs outside the loss, frozen layers that keep no input, sound DCE."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from equivalence import assert_same_step
+
+import fxopt
+from fxopt.analysis import grad_needs
+from fxopt.analysis.saved_tensors import SavedForBackward
+from fxopt.analysis.side_effects import IO, MUTATION, OPAQUE, RNG, STATS, effects
+from fxopt.measure import measure_saved_bytes
+from fxopt.passes.base import PassContext
+from fxopt.passes.prune_dead_grads import PruneDeadGrads
+from fxopt.pipeline.verify import flatten_tensors, max_difference
+
+PRUNE = ["prune_dead_grads"]
+
+
+# ---- models ----
+
+class AuxHead(nn.Module):
+    """A trunk with a main head and a large auxiliary head (with dropout), plus the trunk features."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+        self.aux = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.2), nn.Linear(128, 8))
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h), self.aux(h).tanh(), h
+
+
+class DictOut(AuxHead):
+    def forward(self, x):
+        logits, aux, h = super().forward(x)
+        return {"logits": logits, "aux": aux, "features": h}
+
+
+def conv_bn_relu(c: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+
+
+class FrozenMiddle(nn.Module):
+    """Trainable stem -> frozen Conv-BN(eval)-ReLU blocks -> trainable head."""
+
+    def __init__(self, blocks: int = 2, c: int = 8):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU())
+        self.body = nn.Sequential(*[conv_bn_relu(c) for _ in range(blocks)])
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 5))
+
+    def forward(self, x):
+        return self.head(self.body(self.stem(x)))
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+def frozen_middle(**kw) -> FrozenMiddle:
+    torch.manual_seed(0)
+    model = FrozenMiddle(**kw).train()
+    freeze(model.body)
+    for block in model.body:  # non-trivial running statistics
+        block[1].running_mean.uniform_(-0.5, 0.5)
+        block[1].running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def aux_model(cls=AuxHead) -> nn.Module:
+    torch.manual_seed(0)
+    return cls().train()
+
+
+X_VEC = torch.randn(6, 16)
+X_IMG = torch.randn(2, 3, 8, 8)
+
+
+# ---- a training step that differentiates only the declared outputs ----
+
+def _step(model: nn.Module, x: torch.Tensor, differentiable) -> dict[str, torch.Tensor]:
+    model = copy.deepcopy(model)
+    torch.manual_seed(1)
+    out = model(x)
+    values = list(out.values()) if isinstance(out, dict) else list(out)
+    keys = list(out) if isinstance(out, dict) else range(len(values))
+    gen = torch.Generator().manual_seed(2)
+    loss = sum((v * torch.randn(v.shape, generator=gen)).sum() for k, v in zip(keys, values) if k in differentiable)
+    loss.backward()
+    got = {f"output[{i}]": t.detach() for i, t in enumerate(flatten_tensors(out))}
+    got.update({f"grad:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
+    got.update({f"buffer:{n}": b for n, b in model.named_buffers()})
+    return got
+
+
+def assert_same_declared_step(original, optimized, x, differentiable) -> None:
+    ref, got = _step(original, x, differentiable), _step(optimized, x, differentiable)
+    assert set(ref) == set(got), set(ref) ^ set(got)
+    worst, name, ok = max_difference(ref, got, 1e-4, 1e-4)
+    assert ok, f"{name} differs by {worst:.3g}"
+
+
+def rerun(gm: fx.GraphModule, **options):
+    """Run the pass once more on an already optimized graph (as the pipeline would)."""
+    ctx = PassContext("training", options, graph_path="")
+    return PruneDeadGrads().run(gm, ctx)
+
+
+# ---- 1. outputs outside the loss ----
+
+def test_aux_head_declared_non_differentiable_runs_without_grad():
+    """The aux head runs under no_grad, the step is unchanged for the declared loss, its params lose grads."""
+    model = aux_model()
+    opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
+    assert_same_declared_step(model, opt, X_VEC, {0})
+    report = opt.fxopt_report["prune_dead_grads"]
+    assert report.stats["no_grad"] == 5  # the 4 aux layers and tanh
+    assert report.stats["detached"] == 1  # the trunk features, also read by the main head
+    assert "aux.0.weight" in report.figures["params_losing_grad"]
+    assert "head.weight" in report.figures["params_needing_grad"]
+    assert report.figures["bytes_no_longer_saved"] > 0
+    code = opt.code
+    assert "call_without_grad" in code and ".detach()" in code
+    assert "self.head(" in code  # the main head stays recorded
+    out = opt(X_VEC)
+    assert [t.requires_grad for t in out] == [True, False, False]
+
+
+def test_aux_head_keeps_less_for_backward():
+    """Measured with saved_tensors_hooks, the optimized forward keeps less than eager."""
+    model = aux_model()
+    opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
+    assert measure_saved_bytes(lambda: opt(X_VEC), opt) < measure_saved_bytes(lambda: model(X_VEC), model)
+
+
+def test_dict_output_by_key():
+    """Dict outputs are named by key; undeclared keys come back without grad."""
+    model = aux_model(DictOut)
+    opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs="logits")
+    assert_same_declared_step(model, opt, X_VEC, {"logits"})
+    out = opt(X_VEC)
+    assert out["logits"].requires_grad and not out["aux"].requires_grad and not out["features"].requires_grad
+
+
+def test_backward_through_declared_non_differentiable_output_raises():
+    """Backward from an output declared non-differentiable fails with autograd's clear error."""
+    opt = fxopt.optimize(aux_model(), X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        opt(X_VEC)[1].sum().backward()
+
+
+def test_differentiated_aux_output_prunes_nothing():
+    """When the aux output is in the loss, nothing may run without grad and the step is unchanged."""
+    model = aux_model()
+    for declared in (None, [0, 1, 2]):
+        opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=declared)
+        assert "call_without_grad" not in opt.code and "detach" not in opt.code
+        assert not opt.fxopt_report["prune_dead_grads"].changed
+        assert_same_step(model, opt, (X_VEC,), training=True)
+
+
+def test_node_feeding_both_kinds_of_output_stays_recorded():
+    """The trunk feeds the loss and a declared-non-differentiable output: it is detached, not unrecorded."""
+    opt = fxopt.optimize(aux_model(), X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0, 1])
+    code = opt.code
+    assert "call_without_grad" not in code and "body_3.detach()" in code
+
+
+class MutatesTrunk(AuxHead):
+    def forward(self, x):
+        h = self.body(x)
+        a = self.aux(h)
+        g = h.clone()
+        g[:, :8].add_(a)  # the aux head writes into what the loss reads
+        return self.head(g), a
+
+
+def test_aux_head_writing_into_live_tensor_stays_recorded():
+    """An aux value written in place into a tensor the loss reads must keep its gradient path (refusal)."""
+    model = aux_model(MutatesTrunk)
+    opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
+    assert "call_without_grad" not in opt.code
+    assert_same_declared_step(model, opt, X_VEC, {0})
+    assert "aux.0.weight" in opt.fxopt_report["prune_dead_grads"].figures["params_needing_grad"]
+
+
+class UntraceableRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = AuxHead()
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: the root stays opaque, `inner` is captured on its own
+            return self.inner(x)
+        return self.inner(-x)
+
+
+def test_submodule_graph_refuses_differentiable_outputs():
+    """A captured submodule's outputs are not the model's: differentiable_outputs must not apply there."""
+    torch.manual_seed(0)
+    model = UntraceableRoot().train()
+    opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
+    report = opt.fxopt_report["prune_dead_grads"]
+    assert report.stats["refused_not_model_outputs"] == 1
+    assert report.stats["no_grad"] == 0
+    assert all(t.requires_grad for t in opt(X_VEC))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (3, "not an output of the model"),
+    (-1, "not an output of the model"),
+    ("aux", "positional output"),
+    (1.5, "must be None"),
+    (True, "must be None"),
+    ([0, "aux"], "mixes indices and keys"),
+])
+def test_bad_differentiable_outputs_on_tuple_output(bad, message):
+    """Out-of-range indices, keys for a tuple, and wrong types are clear FxoptErrors."""
+    with pytest.raises(fxopt.FxoptError, match=message):
+        fxopt.optimize(aux_model(), X_VEC, mode="training", passes=PRUNE, differentiable_outputs=bad)
+
+
+@pytest.mark.parametrize("bad, message", [("logit", "not an output of the model.*'logits'"), (0, "use its keys")])
+def test_bad_differentiable_outputs_on_dict_output(bad, message):
+    """A missing key, or an index for a dict output, is a clear FxoptError listing the keys."""
+    with pytest.raises(fxopt.FxoptError, match=message):
+        fxopt.optimize(aux_model(DictOut), X_VEC, mode="training", passes=PRUNE, differentiable_outputs=bad)
+
+
+def test_differentiable_outputs_in_inference_is_an_error():
+    """Nothing is differentiated in inference, so declaring differentiable outputs there is a mistake."""
+    with pytest.raises(fxopt.FxoptError, match="applies to training"):
+        fxopt.optimize(aux_model().eval(), X_VEC, mode="inference", passes=PRUNE, differentiable_outputs=[0])
+
+
+# ---- 2. frozen layers in the middle ----
+
+def test_frozen_middle_with_eval_bn_alone():
+    """Without folding, frozen convs keep no input and frozen eval BNs become x * scale + shift."""
+    model = frozen_middle()
+    opt = fxopt.optimize(model, X_IMG, mode="training", passes=PRUNE)
+    assert_same_step(model, opt, (X_IMG,), training=True)
+    report = opt.fxopt_report["prune_dead_grads"]
+    assert report.stats["frozen_conv"] == 2 and report.stats["frozen_bn"] == 2
+    assert opt.code.count("conv_saving_what_grads_need(") == 2 and "eval_batch_norm_scale_shift" in opt.code
+    assert report.figures["bytes_no_longer_saved"] > 0  # the BN inputs
+    assert report.figures["params_needing_grad"] == ["head.2.bias", "head.2.weight", "stem.0.bias", "stem.0.weight"]
+
+
+def test_frozen_middle_after_fold_in_default_pipeline():
+    """In the default training pipeline the folded frozen convs keep no input and the step is unchanged."""
+    model = frozen_middle()
+    opt = fxopt.optimize(model, X_IMG, mode="training")
+    assert_same_step(model, opt, (X_IMG,), training=True)
+    assert opt.fxopt_report["prune_dead_grads"].stats["frozen_conv"] == 2
+    assert measure_saved_bytes(lambda: opt(X_IMG), opt) < 0.5 * measure_saved_bytes(lambda: model(X_IMG), model)
+
+
+def test_unfreezing_after_optimize_still_gives_weight_gradients():
+    """The frozen conv decides at run time: unfreezing a layer later gives its gradient exactly."""
+    model = frozen_middle()
+    opt = fxopt.optimize(model, X_IMG, mode="training", passes=PRUNE)
+    weight = model.body[0][0].weight
+    assert opt.get_submodule("body.0.0").weight is weight  # parameters are shared with the caller's model
+    weight.requires_grad_(True)
+    assert_same_step(model, opt, (X_IMG,), training=True)
+
+
+def test_frozen_backbone_needs_no_rewrite():
+    """A frozen backbone at the input is not recorded at all: nothing to rewrite, step unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()),
+                          nn.Flatten(), nn.Linear(8 * 36, 4)).train()
+    freeze(model[0])
+    opt = fxopt.optimize(model, X_IMG, mode="training", passes=PRUNE)
+    assert_same_step(model, opt, (X_IMG,), training=True)
+    assert not opt.fxopt_report["prune_dead_grads"].changed
+    assert opt.fxopt_report["prune_dead_grads"].figures["params_needing_grad"] == ["2.bias", "2.weight"]
+
+
+def test_linear_with_frozen_weight_is_left_alone():
+    """Eager linear keeps no input when its weight is frozen: observed, and there is nothing to rewrite."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), freeze(nn.Linear(16, 16)), nn.Linear(16, 2)).train()
+    gm = fx.symbolic_trace(model)
+    fxopt.optimize(gm, X_VEC, mode="training", passes=[])  # fills node.meta["val"]
+    from fxopt.analysis.shapes import propagate_shapes
+    propagate_shapes(gm, (X_VEC,))
+    needs = grad_needs.analyze_grad_needs(gm, list(gm.graph.nodes)[-2:-1])
+    frozen = next(n for n in gm.graph.nodes if n.target == "1")
+    assert grad_needs.really_saved(frozen, gm, needs.requires_grad).saved_inputs == ()
+
+
+def test_conv_with_frozen_weight_really_keeps_its_input():
+    """The waste the pass removes is real: eager conv keeps its input though its weight is frozen."""
+    model = frozen_middle()
+    gm = fx.symbolic_trace(model)
+    from fxopt.analysis.shapes import propagate_shapes
+    propagate_shapes(gm, (X_IMG,))
+    needs = grad_needs.analyze_grad_needs(gm, [list(gm.graph.nodes)[-2]])
+    conv = next(n for n in gm.graph.nodes if n.target == "body.0.0")
+    assert conv.args[0] in grad_needs.really_saved(conv, gm, needs.requires_grad).saved_inputs
+
+
+class HookedConv(FrozenMiddle):
+    pass
+
+
+def test_hooked_frozen_conv_is_refused():
+    """A hook on a frozen conv would be skipped by a functional replacement: refuse."""
+    model = frozen_middle(blocks=1)
+    model.body[0][0].register_forward_hook(lambda *a: None)
+    opt = fxopt.optimize(model, X_IMG, mode="training", passes=PRUNE)
+    assert opt.fxopt_report["prune_dead_grads"].stats["refused_module_has_hooks"] == 1
+    assert_same_step(model, opt, (X_IMG,), training=True)
+
+
+def test_reflect_padded_frozen_conv_is_refused():
+    """torch.convolution has no padding modes: a reflect-padded frozen conv stays as it is."""
+    model = frozen_middle(blocks=1)
+    model.body[0][0].padding_mode = "reflect"
+    opt = fxopt.optimize(model, X_IMG, mode="training", passes=PRUNE)
+    assert opt.fxopt_report["prune_dead_grads"].stats["refused_unsupported_conv"] == 1
+    assert_same_step(model, opt, (X_IMG,), training=True)
+
+
+class Unbatched(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 1)
+        self.frozen = nn.Conv2d(4, 4, 3)
+
+    def forward(self, x):
+        return self.frozen(self.stem(x))
+
+
+def test_unbatched_frozen_conv_is_refused():
+    """torch.convolution needs a batch dimension that F.conv2d adds itself: refuse unbatched inputs."""
+    torch.manual_seed(0)
+    model, x = Unbatched().train(), torch.randn(3, 8, 8)
+    freeze(model.frozen)
+    opt = fxopt.optimize(model, x, mode="training", passes=PRUNE)
+    assert opt.fxopt_report["prune_dead_grads"].stats["refused_unbatched"] == 1
+    assert_same_step(model, opt, (x,), training=True)
+
+
+class HalfBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.stem(x).to(torch.bfloat16)).float()
+
+
+def test_mixed_dtype_frozen_bn_is_refused():
+    """An eval BN with float32 statistics on a bfloat16 input would change the output dtype: refuse."""
+    torch.manual_seed(0)
+    model = HalfBN().train()
+    freeze(model.bn)
+    opt = fxopt.optimize(model, X_IMG, mode="training", passes=PRUNE)
+    assert opt.fxopt_report["prune_dead_grads"].stats["refused_mixed_dtype"] == 1
+
+
+def test_op_keeping_no_input_is_not_rewritten(monkeypatch):
+    """Where the op is observed to keep no input there is no waste, so nothing is rewritten."""
+    monkeypatch.setattr("fxopt.passes.prune_dead_grads.really_saved",
+                        lambda node, gm, rg: SavedForBackward(False, (), True))
+    opt = fxopt.optimize(frozen_middle(), X_IMG, mode="training", passes=PRUNE)
+    assert opt.fxopt_report["prune_dead_grads"].stats["refused_no_waste"] == 4
+    assert "conv_saving_what_grads_need" not in opt.code
+
+
+# ---- 3. dead code and side effects ----
+
+class DeadCode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        unused = self.lin(x).sigmoid()  # pure and dead: removed
+        self.bn(x)  # dead, but updates running statistics
+        F.dropout(x, 0.3)  # dead, but draws random numbers
+        y = self.drop(self.lin(x))
+        return y + torch.rand_like(y)
+
+
+def test_dead_code_is_removed_but_effects_survive():
+    """Pure dead nodes go; a dead train-mode BN and a dead dropout stay (same stats, same RNG stream)."""
+    torch.manual_seed(0)
+    model = DeadCode().train()
+    opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE)
+    report = opt.fxopt_report["prune_dead_grads"]
+    assert report.stats["removed"] == 2  # lin + sigmoid
+    assert "sigmoid" not in opt.code and "self.bn(" in opt.code and "dropout" in opt.code
+    assert_same_step(model, opt, (X_VEC,), training=True)
+
+
+def test_aux_dropout_and_bn_stats_run_the_same_without_grad():
+    """Dropout and a train-mode BN inside a no_grad aux head draw the same numbers and update the same stats."""
+    class AuxBN(AuxHead):
+        def __init__(self):
+            super().__init__()
+            self.aux_bn = nn.BatchNorm1d(8)
+
+        def forward(self, x):
+            logits, aux, h = super().forward(x)
+            return logits, self.aux_bn(aux)
+
+    model = aux_model(AuxBN)
+    opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
+    assert "call_without_grad" in opt.code
+    assert_same_declared_step(model, opt, X_VEC, {0})
+
+
+def test_inference_mode_only_eliminates_dead_code():
+    """In inference the pass removes dead pure nodes and rewrites nothing else."""
+    model = DeadCode().eval()
+    opt = fxopt.optimize(model, X_VEC, mode="inference", passes=PRUNE)
+    assert opt.fxopt_report["prune_dead_grads"].stats == {"removed": 3}  # lin, sigmoid, and the eval-mode BN
+    torch.manual_seed(3)
+    expected = model(X_VEC)
+    torch.manual_seed(3)
+    torch.testing.assert_close(opt(X_VEC), expected)
+
+
+class Effects(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout()
+        self.act = nn.ReLU(inplace=True)
+        self.custom = AuxHead()
+
+    def forward(self, x):
+        torch._assert(x.dim() == 2, "2-D")
+        a = self.bn(x)
+        b = self.drop(a)
+        c = self.act(b)
+        c.add_(1)
+        d = F.dropout(c, 0.1, training=False)
+        return self.custom(torch.cat([d] * 4, 1))
+
+
+def test_side_effect_classification():
+    """Each kind of effect is named; eval-mode dropout and plain ops have none."""
+    gm = fx.symbolic_trace(Effects().train())
+    x = next(iter(gm.graph.nodes))
+    with gm.graph.inserting_after(x):  # calls symbolic tracing would run instead of recording
+        printed = gm.graph.call_function(print, (x,))
+        noise = gm.graph.call_function(torch.randn, (2,))
+    by_name = {n.name: effects(n, gm) for n in gm.graph.nodes}
+    assert effects(printed, gm) == {IO} and effects(noise, gm) == {RNG} and IO in by_name["_assert"]
+    assert by_name["bn"] == {STATS} and by_name["drop"] == {RNG} and by_name["act"] == {MUTATION}
+    assert by_name["add_"] == {MUTATION}
+    assert by_name["dropout"] == frozenset() and by_name["cat"] == frozenset()
+    gm.eval()
+    assert effects(next(n for n in gm.graph.nodes if n.name == "bn"), gm) == frozenset()
+
+
+def test_opaque_module_is_an_effect():
+    """A module outside torch.nn (an opaque leaf) may do anything: never dropped, never unrecorded."""
+    class Leaf(fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return qualname == "custom" or super().is_leaf_module(m, qualname)
+
+    root = Effects()
+    gm = fx.GraphModule(root, Leaf().trace(root))
+    assert OPAQUE in effects(next(n for n in gm.graph.nodes if n.target == "custom"), gm)
+
+
+# ---- idempotence ----
+
+@pytest.mark.parametrize("make, x, declared", [(aux_model, X_VEC, [0]), (frozen_middle, X_IMG, None)])
+def test_second_run_changes_nothing(make, x, declared):
+    """Running the pass again on its own output changes nothing."""
+    opt = fxopt.optimize(make(), x, mode="training", passes=PRUNE, differentiable_outputs=declared)
+    code = opt.code
+    again = rerun(opt, differentiable_outputs=declared)
+    assert not again.changed and opt.code == code
