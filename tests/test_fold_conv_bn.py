@@ -195,7 +195,7 @@ def dynamo_graph(model: nn.Module, inputs: tuple):
 
 @pytest.mark.parametrize("mode", ["inference", "training"])
 def test_dynamo_graph_folds_as_graph_ops_that_follow_parameter_updates(mode):
-    """On a Dynamo graph the fold is ops on the parameter placeholders, so it stays right after the parameters change."""
+    """On a Dynamo graph the fold is ops on the parameter placeholders, so it stays right when parameters change."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(),
                           nn.Linear(6 * 5 * 5, 4), nn.BatchNorm1d(4))
@@ -374,7 +374,7 @@ def test_refuses_train_mode_bn():
 
 
 def test_refuses_bn_without_running_stats():
-    """A BN with track_running_stats=False uses batch statistics even in eval mode, so it is not a constant affine map."""
+    """A BN with track_running_stats=False uses batch statistics even in eval mode: no constant affine map."""
     model = randomize(LayerBN(nn.Conv2d(4, 6, 3), nn.BatchNorm2d(6, track_running_stats=False))).eval()
     assert_refused(model, (torch.randn(BATCH, 4, 6, 6),), "bn_training")
 
