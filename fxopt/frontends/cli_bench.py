@@ -1,0 +1,140 @@
+"""`fxopt bench`: eager vs fxopt (vs `torch.compile(backend="fxopt")`), side by side in one process.
+
+Each variant runs the same step: a forward under `no_grad` in inference; forward, a sum loss
+and backward in training (gradients cleared between steps). Runs are interleaved round by round,
+so drift in the machine's speed hits every variant alike; the table shows medians and the ratio
+to eager. In training the peak memory of one step is measured with `fxopt.measure.measure_peak`
+(live storages, parameters/buffers/inputs/gradients excluded); it cannot see inside a compiled
+graph, so the compiled variant has no peak figure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from tabulate import tabulate
+
+from ..errors import FxoptError
+from ..measure import measure_peak
+from ..pipeline.verify import flatten_tensors
+from .api import optimize
+from .cli_inspect import human_bytes
+
+
+class Progress:
+    """A progress line on stderr: rewritten in place on a terminal, one line per phase otherwise."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.interactive = self.stream.isatty()
+
+    def phase(self, text: str) -> None:
+        self._write(f"fxopt bench: {text}", final=not self.interactive)
+
+    def step(self, text: str, done: int, total: int) -> None:
+        if self.interactive:
+            self._write(f"fxopt bench: {text} {done}/{total}", final=False)
+
+    def finish(self) -> None:
+        if self.interactive:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+    def _write(self, text: str, final: bool) -> None:
+        prefix = "\r\033[K" if self.interactive else ""
+        self.stream.write(prefix + text + ("\n" if final else ""))
+        self.stream.flush()
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    module: Callable
+    setup_seconds: float
+    times: list[float] = dataclasses.field(default_factory=list)
+    peak_bytes: int | None = None
+
+
+def _step(module, inputs: tuple, training: bool) -> Callable[[], None]:
+    def step():
+        if not training:
+            with torch.no_grad():
+                module(*inputs)
+            return
+        loss = sum(t.float().sum() for t in flatten_tensors(module(*inputs)) if t.requires_grad)
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+    return step
+
+
+def _compile_available() -> bool:
+    return importlib.util.find_spec("fxopt.frontends.backend") is not None
+
+
+def _build_variants(model, inputs, mode: str, passes, options: dict, compile_: bool, progress: Progress):
+    progress.phase("optimizing with fxopt")
+    start = time.perf_counter()
+    variants = [Variant("eager", model, 0.0),
+                Variant("fxopt", optimize(model, inputs, mode=mode, passes=passes, **options),
+                        time.perf_counter() - start)]
+    if compile_:
+        if not _compile_available():
+            raise FxoptError("--compile needs the torch.compile backend fxopt.frontends.backend, "
+                             "which this installation does not have")
+        progress.phase("compiling with torch.compile(backend='fxopt') (first call)")
+        backend_options = {**options, **({"passes": list(passes)} if passes is not None else {})}
+        compiled = torch.compile(model, backend="fxopt", options=backend_options)
+        start = time.perf_counter()
+        _step(compiled, inputs, mode == "training")()
+        variants.append(Variant("torch.compile(backend='fxopt')", compiled, time.perf_counter() - start))
+    return variants
+
+
+def run_bench(model: torch.nn.Module, inputs: tuple, mode: str, passes, options: dict, compile_: bool,
+              repeats: int, warmup: int, progress: Progress) -> list[Variant]:
+    training = mode == "training"
+    variants = _build_variants(model, inputs, mode, passes, options, compile_, progress)
+    steps = {v.name: _step(v.module, inputs, training) for v in variants}
+    rounds = warmup + repeats
+    progress.phase(f"timing {len(variants)} variants, {warmup} warm-up + {repeats} timed runs each")
+    for r in range(rounds):
+        progress.step("timing", r + 1, rounds)
+        for v in variants:
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            steps[v.name]()
+            if r >= warmup:
+                v.times.append(time.perf_counter() - start)
+    if training:
+        progress.phase("measuring peak memory")
+        for v in variants:
+            if v.name in ("eager", "fxopt"):
+                model.zero_grad(set_to_none=True)
+                v.peak_bytes = measure_peak(steps[v.name], model, inputs)
+        model.zero_grad(set_to_none=True)
+    progress.finish()
+    return variants
+
+
+def bench_table(variants: list[Variant], training: bool) -> str:
+    eager = variants[0]
+    eager_median = statistics.median(eager.times)
+    headers = ["variant", "median latency", "speedup vs eager", "setup"]
+    if training:
+        headers += ["peak memory", "vs eager"]
+    rows = []
+    for v in variants:
+        median = statistics.median(v.times)
+        row = [v.name, f"{median * 1e3:.2f} ms", f"{eager_median / median:.2f}x",
+               "-" if v is eager else f"{v.setup_seconds:.2f} s"]
+        if training:
+            known = v.peak_bytes is not None
+            row += [human_bytes(v.peak_bytes) if known else "not measured",
+                    f"{v.peak_bytes / eager.peak_bytes:.2f}x" if known and eager.peak_bytes else "-"]
+        rows.append(row)
+    return tabulate(rows, headers=headers)

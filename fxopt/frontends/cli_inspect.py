@@ -1,0 +1,191 @@
+"""`fxopt inspect`: run the pipeline on a model and show, pass by pass, what it did.
+
+Per pass: nodes before/after, what changed and what was refused (with reasons), estimated
+FLOPs and saved-for-backward bytes before/after (fake-tensor estimates from
+`fxopt.analysis.costs`), time taken and, with --verify, the largest difference from the
+original model. The same facts come out as JSON with `--json` (keys listed in `JSON_KEYS`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+from tabulate import tabulate
+
+from .. import __version__
+from ..analysis.costs import Costs, estimate_costs, placeholder_values
+from ..pipeline.instruments import Instrument
+from ..pipeline.report import PassReport, Report
+from .cli_loading import format_shape
+
+# The documented, stable shape of `fxopt inspect --json` (README "Inspecting a model").
+JSON_KEYS = {
+    "top": ("fxopt_version", "model", "mode", "inputs", "graphs", "opaque_modules", "passes", "summary"),
+    "input": ("shape", "dtype"),
+    "pass": ("name", "seconds", "nodes_before", "nodes_after", "changed", "stats", "sites", "figures", "skipped",
+             "max_abs_diff", "estimated"),
+    "site": ("action", "node", "reason", "detail"),
+    "estimated": ("flops_before", "flops_after", "saved_bytes_before", "saved_bytes_after"),
+    "summary": ("passes_run", "passes_changed", "sites_changed", "sites_refused", "nodes_before", "nodes_after",
+                "flops_before", "flops_after", "saved_bytes_before", "saved_bytes_after", "seconds"),
+}
+
+
+def _outermost(paths) -> list[str]:
+    """Graph paths not nested in another captured graph (running those runs the nested ones too)."""
+    paths = list(paths)
+    return [p for p in paths if not any(q != p and (q == "" or p.startswith(q + ".")) for q in paths)]
+
+
+class CostEstimates(Instrument):
+    """Estimate the model's costs before the first pass and after each pass that changed something."""
+
+    def __init__(self, training: bool):
+        self.training = training
+        self.stages: list[Costs | None] = []  # stages[0]: captured input; stages[i]: after pass i
+
+    def _estimate(self, graphs: dict[str, fx.GraphModule]) -> Costs | None:
+        parts = [estimate_costs(graphs[p], placeholder_values(graphs[p]), self.training) for p in _outermost(graphs)]
+        if any(c is None for c in parts):
+            return None
+        saved = None if not self.training else sum(c.saved_bytes for c in parts)
+        return Costs(sum(c.flops for c in parts), saved)
+
+    def start(self, graphs):
+        self.stages.append(self._estimate(graphs))
+
+    def after_pass(self, index, report, code_before, graphs):
+        self.stages.append(self._estimate(graphs) if report.changed else self.stages[-1])
+
+    def around(self, index: int) -> dict[str, int | None]:
+        """Estimates before and after pass number `index` (1-based), the `estimated` JSON record."""
+        before, after = self.stages[index - 1], self.stages[index]
+        return {
+            "flops_before": before and before.flops, "flops_after": after and after.flops,
+            "saved_bytes_before": before and before.saved_bytes, "saved_bytes_after": after and after.saved_bytes,
+        }
+
+
+def _si(value: int | None, unit: str) -> str:
+    if value is None:
+        return "?"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value} {unit}"
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+def _change(before, after, fmt) -> str:
+    if before is None or after is None:
+        return f"{fmt(before)} → {fmt(after)}"
+    if before == after:
+        return fmt(before)
+    ratio = f" ({(after - before) / before:+.1%})" if before else ""
+    return f"{fmt(before)} → {fmt(after)}{ratio}"
+
+
+def _flops(n):
+    return _si(n, "FLOP")
+
+
+def _what_happened(p: PassReport) -> str:
+    if p.skipped:
+        return f"skipped: {p.skipped}"
+    return ", ".join(f"{k}: {v}" for k, v in sorted(p.stats.items())) or "nothing to do"
+
+
+@dataclasses.dataclass
+class InspectResult:
+    spec: str
+    inputs: tuple
+    report: Report
+    costs: CostEstimates
+
+    @property
+    def training(self) -> bool:
+        return self.report.mode == "training"
+
+    def to_dict(self) -> dict:
+        data = {"fxopt_version": __version__, "model": self.spec,
+                "inputs": [{"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
+                           for x in self.inputs if isinstance(x, torch.Tensor)],
+                **self.report.to_dict()}
+        data["passes"] = [{**entry, "estimated": self.costs.around(index)} for index, entry in
+                          enumerate(data["passes"], start=1)]
+        data["passes"] = [{key: entry[key] for key in JSON_KEYS["pass"]} for entry in data["passes"]]
+        data["summary"] = self.summary()
+        return {key: data[key] for key in JSON_KEYS["top"]}
+
+    def summary(self) -> dict:
+        passes = self.report.passes
+        first, last = self.costs.stages[0], self.costs.stages[-1]
+        sites = [s for p in passes for s in p.sites]
+        return {
+            "passes_run": len(passes),
+            "passes_changed": sum(p.changed for p in passes),
+            "sites_changed": sum(not s.refused for s in sites),
+            "sites_refused": sum(s.refused for s in sites),
+            "nodes_before": passes[0].nodes_before, "nodes_after": passes[-1].nodes_after,
+            "flops_before": first and first.flops, "flops_after": last and last.flops,
+            "saved_bytes_before": first and first.saved_bytes, "saved_bytes_after": last and last.saved_bytes,
+            "seconds": sum(p.seconds for p in passes),
+        }
+
+    def passes_table(self) -> str:
+        headers = ["pass", "nodes", "what happened", "FLOPs (est.)"]
+        if self.training:
+            headers.append("saved for backward (est.)")
+        headers.append("time")
+        verified = any(p.max_abs_diff is not None for p in self.report.passes)
+        if verified:
+            headers.append("max |diff|")
+        rows = []
+        for index, p in enumerate(self.report.passes, start=1):
+            est = self.costs.around(index)
+            row = [p.name, f"{p.nodes_before} → {p.nodes_after}", _what_happened(p),
+                   _change(est["flops_before"], est["flops_after"], _flops)]
+            if self.training:
+                row.append(_change(est["saved_bytes_before"], est["saved_bytes_after"], human_bytes))
+            row.append(f"{p.seconds * 1e3:.1f} ms")
+            if verified:
+                row.append("-" if p.max_abs_diff is None else f"{p.max_abs_diff:.2e}")
+            rows.append(row)
+        return tabulate(rows, headers=headers)
+
+    def summary_line(self) -> str:
+        s = self.summary()
+        parts = [f"{s['passes_run']} pass(es), {s['passes_changed']} changed the model",
+                 f"{s['sites_changed']} site(s) rewritten, {s['sites_refused']} refused",
+                 f"nodes {s['nodes_before']} → {s['nodes_after']}",
+                 f"FLOPs {_change(s['flops_before'], s['flops_after'], _flops)}"]
+        if self.training:
+            parts.append(f"saved for backward {_change(s['saved_bytes_before'], s['saved_bytes_after'], human_bytes)}")
+        parts.append(f"{s['seconds'] * 1e3:.1f} ms")
+        return "Summary: " + "; ".join(parts)
+
+    def __str__(self) -> str:
+        shapes = ", ".join(format_shape(x.shape) for x in self.inputs)
+        dtype = str(self.inputs[0].dtype).removeprefix("torch.")
+        lines = [f"fxopt inspect {self.spec}: {self.report.mode}, inputs {shapes} ({dtype}), "
+                 f"{len(self.report.graphs)} graph(s)", "", self.passes_table()]
+        sites = self.report.sites_table()
+        if sites:
+            lines += ["", sites]
+        if self.report.opaque:
+            rows = [[o.path or "<model>", o.type, o.reason] for o in self.report.opaque]
+            lines += ["", "Opaque modules (run unchanged; their children may still be optimized):",
+                      tabulate(rows, headers=["module", "type", "why"])]
+        if self.costs.stages[0] is None:
+            lines += ["", "(? : the estimate needs a run on fake tensors, which this model's code does not allow)"]
+        lines += ["", self.summary_line()]
+        return "\n".join(lines)

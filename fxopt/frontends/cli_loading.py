@@ -1,0 +1,168 @@
+"""What the `fxopt` command line is given, turned into a model and inputs, or a clear FxoptError.
+
+    load_model("package.module:attr" | "path/to/file.py:attr")   -> nn.Module
+    parse_shape("8x3x224x224")                                     -> (8, 3, 224, 224)
+    make_inputs(shapes, dtype)                                     -> random example tensors
+    check_model_accepts(model, inputs)                             -> names the layer that rejects them
+
+`attr` may be an `nn.Module` subclass (constructed with no arguments), a factory function taking
+no arguments, or a module instance; a dotted `attr` (`Outer.make`) is looked up step by step.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import pathlib
+import re
+import sys
+
+import torch
+
+from ..capture.state import preserved_state
+from ..errors import FxoptError
+
+DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "float16", "bfloat16", "int64", "int32")}
+INTEGER_HIGH = 16  # integer inputs (token ids) are drawn from [0, INTEGER_HIGH)
+_SHAPE = re.compile(r"[1-9][0-9]*(x[1-9][0-9]*)*")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    if not _SHAPE.fullmatch(text.strip()):
+        raise FxoptError(f"malformed --input-shape {text!r}: expected positive sizes separated by 'x', "
+                         "e.g. 8x3x224x224")
+    return tuple(int(s) for s in text.strip().split("x"))
+
+
+def format_shape(shape) -> str:
+    return "x".join(str(s) for s in shape) if len(shape) else "scalar"
+
+
+def make_inputs(shapes: list[tuple[int, ...]], dtype: str) -> tuple[torch.Tensor, ...]:
+    """Random inputs, the same on every run (seeded): normal floats, or integers in [0, INTEGER_HIGH)."""
+    generator = torch.Generator().manual_seed(0)
+    torch_dtype = DTYPES[dtype]
+    if torch_dtype.is_floating_point:
+        return tuple(torch.randn(s, generator=generator).to(torch_dtype) for s in shapes)
+    return tuple(torch.randint(0, INTEGER_HIGH, s, generator=generator, dtype=torch_dtype) for s in shapes)
+
+
+def _import_file(path: pathlib.Path):
+    if not path.is_file():
+        raise FxoptError(f"cannot import {str(path)!r}: no such file")
+    sys.path.insert(0, str(path.resolve().parent))  # sibling imports work, as when running the file
+    name = "_fxopt_model_" + re.sub(r"[^0-9A-Za-z_]", "_", path.stem)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _import_target(target: str):
+    """Import `path/to/file.py` or `package.module`; any failure in the user's code becomes an FxoptError."""
+    try:
+        if target.endswith(".py") or "/" in target or os.sep in target:
+            return _import_file(pathlib.Path(target))
+        if os.getcwd() not in sys.path:  # `fxopt inspect pkg.mod:attr` finds pkg the way `python -m` would
+            sys.path.insert(0, os.getcwd())
+        return importlib.import_module(target)
+    except FxoptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the user's module raised while importing
+        raise FxoptError(f"cannot import {target!r}: {type(e).__name__}: {e}") from e
+
+
+def _candidates(module) -> list[str]:
+    """Names in `module` that could be given as attr: modules, module classes, functions defined there."""
+    names = []
+    for name, value in vars(module).items():
+        if name.startswith("_"):
+            continue
+        is_module_class = isinstance(value, type) and issubclass(value, torch.nn.Module)
+        defined_here = getattr(value, "__module__", None) == module.__name__
+        if isinstance(value, torch.nn.Module) or (defined_here and (is_module_class or inspect.isfunction(value))):
+            names.append(name)
+    return names
+
+
+def _required_parameters(fn) -> list[str]:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: just call them
+        return []
+    return [p.name for p in signature.parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _instantiate(obj, spec: str) -> torch.nn.Module:
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    if isinstance(obj, type) and not issubclass(obj, torch.nn.Module):
+        raise FxoptError(f"{spec!r} is the class {obj.__name__}, which is not an nn.Module subclass")
+    if not callable(obj):
+        raise FxoptError(f"{spec!r} is a {type(obj).__name__}, not an nn.Module subclass, a factory function "
+                         "or a module instance")
+    required = _required_parameters(obj)
+    if required:
+        raise FxoptError(f"{spec!r} needs arguments ({', '.join(required)}) but fxopt calls it with none: "
+                         "point at a function that takes no arguments and returns the model")
+    try:
+        result = obj()
+    except Exception as e:  # noqa: BLE001 - the user's constructor failed
+        raise FxoptError(f"constructing {spec!r} failed: {type(e).__name__}: {e}") from e
+    if not isinstance(result, torch.nn.Module):
+        raise FxoptError(f"{spec!r} returned a {type(result).__name__}, not an nn.Module")
+    return result
+
+
+def load_model(spec: str) -> torch.nn.Module:
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise FxoptError(f"MODEL must be 'package.module:attr' or 'path/to/file.py:attr', got {spec!r}")
+    module = _import_target(target)
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            hint = ", ".join(_candidates(module)) or "none"
+            raise FxoptError(f"{target!r} has no attribute {attr!r} (models and factories there: {hint})")
+        obj = getattr(obj, part)
+    return _instantiate(obj, spec)
+
+
+def _describe_inputs(args) -> str:
+    shapes = [format_shape(a.shape) for a in args if isinstance(a, torch.Tensor)]
+    return ", ".join(shapes) or "no tensors"
+
+
+def check_model_accepts(model: torch.nn.Module, inputs: tuple) -> None:
+    """Run `model(*inputs)` once (no grad, state restored); on failure name the innermost layer running.
+
+    Each module's pre-hook pushes it on a stack and its forward hook pops it; a forward that
+    raises never pops, so after a failure the top of the stack is the layer that failed.
+    """
+    running: list[tuple[str, torch.nn.Module, tuple]] = []
+
+    def leave(module, args, output) -> None:  # a hook that returned something would replace the output
+        running.pop()
+
+    handles = []
+    for path, sub in model.named_modules():
+        handles.append(sub.register_forward_pre_hook(lambda m, args, path=path: running.append((path, m, args))))
+        handles.append(sub.register_forward_hook(leave))
+    try:
+        with preserved_state(model):
+            model(*inputs)
+    except Exception as e:  # noqa: BLE001 - the user's model rejected the inputs
+        dtype = str(inputs[0].dtype).removeprefix("torch.")
+        message = f"the model rejects inputs {_describe_inputs(inputs)} ({dtype})"
+        if running:
+            path, layer, args = running[-1]
+            where = f"layer {path!r}" if path else "the model's own forward"
+            message += f": {where} ({type(layer).__name__}) called with {_describe_inputs(args)}"
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise FxoptError(f"{message} raised {type(e).__name__}: {first_line}") from e
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,228 @@
+"""The `fxopt` command line, run as a subprocess the way a user runs it.
+
+Every invocation the tests need is started at once (a few at a time, in parallel) when the
+module's first test asks for results: each `python -m fxopt` pays the torch import, so running
+them one after another would dominate the suite's time.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from fxopt.frontends.cli_inspect import JSON_KEYS
+from fxopt.pipeline.pipelines import DEFAULT_PIPELINES
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = "tests/fixtures/tiny_models.py"
+IMAGE = ["--input-shape", "2x3x8x8"]
+DUMP_DIR = "{dump_dir}"  # replaced by a temporary folder
+
+HAPPY = {
+    "passes": ["passes"],
+    "passes_json": ["passes", "--json"],
+    "inspect_text": ["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--show-graph", "--diff", "--verify",
+                     "--dump-dir", DUMP_DIR],
+    "inspect_json_training": ["inspect", "tests.fixtures.tiny_models:make_tiny", *IMAGE, "--mode", "training",
+                              "--json", "--verify", "--diff"],
+    "inspect_json_instance": ["inspect", f"{TINY}:TINY", *IMAGE, "--json", "--passes", "fold_conv_bn"],
+    "inspect_two_inputs": ["inspect", f"{TINY}:TwoInputs", "--input-shape", "2x6", "--input-shape", "2x4"],
+    "inspect_opaque": ["inspect", f"{TINY}:PartlyTraceable", "--input-shape", "2x3"],
+    "bench_inference": ["bench", f"{TINY}:TinyConvNet", *IMAGE, "--repeats", "3", "--warmup", "1"],
+    "bench_training": ["bench", f"{TINY}:TinyConvNet", *IMAGE, "--mode", "training", "--repeats", "3",
+                       "--warmup", "1"],
+    "debug": ["inspect", f"{TINY}:Missing", *IMAGE, "--debug"],
+}
+
+# name -> (arguments, exit status, what the one-line message must say)
+BAD_INPUT = {
+    "module_does_not_import": (["inspect", "fxopt_no_such_pkg.models:Net", *IMAGE], 1,
+                               "cannot import 'fxopt_no_such_pkg.models': ModuleNotFoundError"),
+    "file_import_fails": (["inspect", "tests/fixtures/broken_import.py:Net", *IMAGE], 1,
+                          "No module named 'fxopt_no_such_package'"),
+    "file_missing": (["inspect", "tests/fixtures/no_such_file.py:Net", *IMAGE], 1, "no such file"),
+    "attribute_missing": (["inspect", f"{TINY}:Missing", *IMAGE], 1, "has no attribute 'Missing'"),
+    "class_not_a_module": (["inspect", f"{TINY}:NotAModule", *IMAGE], 1, "is not an nn.Module subclass"),
+    "value_not_a_module": (["inspect", f"{TINY}:LEARNING_RATE", *IMAGE], 1,
+                           "is a float, not an nn.Module subclass, a factory function or a module instance"),
+    "factory_needs_arguments": (["inspect", f"{TINY}:make_with_depth", *IMAGE], 1, "needs arguments (depth)"),
+    "class_needs_arguments": (["inspect", f"{TINY}:NeedsWidth", *IMAGE], 1, "needs arguments (width)"),
+    "factory_returns_other": (["inspect", f"{TINY}:make_list", *IMAGE], 1, "returned a list, not an nn.Module"),
+    "constructor_raises": (["inspect", f"{TINY}:ExplodingInit", *IMAGE], 1,
+                           "RuntimeError: no weights file found"),
+    "model_without_attr": (["inspect", TINY, *IMAGE], 1, "MODEL must be 'package.module:attr'"),
+    "malformed_shape": (["inspect", f"{TINY}:TinyConvNet", "--input-shape", "2xQx32"], 1,
+                        "malformed --input-shape '2xQx32'"),
+    "shape_rejected": (["inspect", f"{TINY}:TinyConvNet", "--input-shape", "2x3x16x16"], 1,
+                       "layer 'fc' (Linear) called with 2x1024 raised RuntimeError"),
+    "unknown_pass": (["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--passes", "fold_conv_bn,fold_everything"], 1,
+                     "unknown pass 'fold_everything'"),
+    "budget_out_of_range": (["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--mode", "training",
+                             "--memory-budget", "1.5"], 1, "memory_budget 1.5 is not a fraction in (0, 1]"),
+    "untraceable": (["inspect", f"{TINY}:ValueBranch", "--input-shape", "2x3"], 1,
+                    "could be traced: <model> (ValueBranch): TraceError"),
+    "unknown_mode": (["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--mode", "fast"], 2, "invalid choice: 'fast'"),
+    "bench_shape_rejected": (["bench", f"{TINY}:TinyConvNet", "--input-shape", "2x3x16x16"], 1,
+                             "the model rejects inputs 2x3x16x16"),
+}
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fxopt", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    dump_dir = tmp_path_factory.mktemp("stages") / "out"
+    invocations = {name: [a.replace(DUMP_DIR, str(dump_dir)) for a in args] for name, args in HAPPY.items()}
+    invocations.update({name: args for name, (args, _, _) in BAD_INPUT.items()})
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(_run, args) for name, args in invocations.items()}
+        results = {name: f.result() for name, f in futures.items()}
+    results["dump_dir"] = dump_dir
+    return results
+
+
+def _ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_passes_lists_every_pass(runs):
+    """`fxopt passes` names every registered pass with its modes."""
+    out = _ok(runs["passes"])
+    for name in ("fold_conv_bn", "inplace_relu", "checkpoint_activations"):
+        assert name in out
+    assert "memory_budget" in out and "inference, training" in out
+
+
+def test_passes_json(runs):
+    """`fxopt passes --json` gives each pass's summary, modes, options and default pipelines."""
+    rows = {r["name"]: r for r in json.loads(_ok(runs["passes_json"]))}
+    assert rows["fold_conv_bn"]["modes"] == ["inference", "training"]
+    assert "memory_budget" in rows["checkpoint_activations"]["options"]
+    assert rows["checkpoint_activations"]["default_in"] == ["training (with memory_budget)"]
+    assert all(r["summary"] for r in rows.values())
+
+
+def test_inspect_text_report(runs):
+    """The text report has the per-pass table with estimates, the sites, the graphs, the diffs and a summary."""
+    out = _ok(runs["inspect_text"])
+    assert "FLOPs (est.)" in out and "max |diff|" in out
+    assert "folded: 1" in out and "conv + bn" in out
+    assert "# ---- <model> after fold_conv_bn ----" in out  # --show-graph
+    assert "--- <model> before fold_conv_bn" in out and "+++ <model> after fold_conv_bn" in out  # --diff
+    assert out.rstrip().splitlines()[-1].startswith("Summary: ")
+    assert "saved for backward" not in out  # inference keeps nothing for backward
+
+
+def test_inspect_dump_dir(runs):
+    """--dump-dir writes the captured graph and the graph after each pass, numbered in pipeline order."""
+    _ok(runs["inspect_text"])
+    expected = ["00_input.py"] + [f"{i:02d}_{name}.py" for i, name in enumerate(DEFAULT_PIPELINES["inference"], 1)]
+    dump_dir = runs["dump_dir"]
+    assert sorted(p.name for p in dump_dir.iterdir()) == expected
+    assert "self.bn(" in (dump_dir / "00_input.py").read_text()
+    assert "self.bn(" not in (dump_dir / "01_fold_conv_bn.py").read_text()
+
+
+def _assert_keys(record: dict, kind: str) -> None:
+    assert tuple(record) == JSON_KEYS[kind], kind
+
+
+def test_inspect_json_schema(runs):
+    """--json prints exactly the documented keys, in order, at every level; --diff goes to stderr."""
+    data = json.loads(_ok(runs["inspect_json_training"]))
+    _assert_keys(data, "top")
+    _assert_keys(data["summary"], "summary")
+    assert data["inputs"] == [{"shape": [2, 3, 8, 8], "dtype": "float32"}]
+    assert data["model"] == "tests.fixtures.tiny_models:make_tiny" and data["mode"] == "training"
+    for entry in data["passes"]:
+        _assert_keys(entry, "pass")
+        _assert_keys(entry["estimated"], "estimated")
+        for site in entry["sites"]:
+            _assert_keys(site, "site")
+        assert isinstance(entry["max_abs_diff"], float)
+    assert "--- <model> before" in runs["inspect_json_training"].stderr
+
+
+def test_inspect_json_figures(runs):
+    """Training estimates give FLOPs and saved bytes that chain pass to pass; the summary agrees with the passes."""
+    data = json.loads(_ok(runs["inspect_json_training"]))
+    passes, summary = data["passes"], data["summary"]
+    assert summary["passes_run"] == len(passes) == len(DEFAULT_PIPELINES["training"]) - 1  # no budget given
+    for before, after in zip(passes, passes[1:]):
+        assert after["estimated"]["flops_before"] == before["estimated"]["flops_after"]
+        assert after["nodes_before"] == before["nodes_after"]
+    first = passes[0]["estimated"]
+    assert first["flops_before"] > 0 and first["saved_bytes_before"] > 0
+    assert summary["saved_bytes_before"] == first["saved_bytes_before"]
+    assert summary["nodes_before"] == passes[0]["nodes_before"]
+    assert summary["sites_refused"] == sum(s["action"] == "refused" for p in passes for s in p["sites"])
+
+
+def test_inspect_instance_with_chosen_passes(runs):
+    """A module instance works as MODEL; --passes runs exactly those passes; inference keeps no saved bytes."""
+    data = json.loads(_ok(runs["inspect_json_instance"]))
+    assert [p["name"] for p in data["passes"]] == ["fold_conv_bn"]
+    assert data["passes"][0]["stats"] == {"folded": 1}
+    assert data["passes"][0]["estimated"]["saved_bytes_before"] is None
+
+
+def test_inspect_two_inputs(runs):
+    """--input-shape given twice feeds a two-input model."""
+    assert "inputs 2x6, 2x4 (float32)" in _ok(runs["inspect_two_inputs"])
+
+
+def test_inspect_lists_opaque_modules(runs):
+    """A child that cannot be traced is listed with where tracing stopped, and the rest is still optimized."""
+    out = _ok(runs["inspect_opaque"])
+    assert "Opaque modules" in out and "ValueBranch" in out and "if x.sum() > 0:" in out
+
+
+def test_bench_inference(runs):
+    """`fxopt bench` prints eager and fxopt median latencies and reports progress on stderr."""
+    result = runs["bench_inference"]
+    out = _ok(result)
+    assert "median latency" in out and "eager" in out and "fxopt" in out
+    assert "peak memory" not in out
+    assert "fxopt bench: timing" in result.stderr
+
+
+def test_bench_training_measures_peak(runs):
+    """In training, `fxopt bench` also measures each variant's peak memory."""
+    out = _ok(runs["bench_training"])
+    assert "peak memory" in out
+    fxopt_row = next(line for line in out.splitlines() if line.split()[0] == "fxopt" and "bench" not in line)
+    assert "KiB" in fxopt_row or " B " in fxopt_row
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line(runs, case):
+    """Each bad input exits non-zero with exactly one line on stderr saying what is wrong, never a traceback."""
+    _, status, message = BAD_INPUT[case]
+    result = runs[case]
+    assert result.returncode == status
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert message in result.stderr
+
+
+def test_debug_shows_traceback(runs):
+    """--debug shows the traceback for developers."""
+    result = runs["debug"]
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "FxoptError" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("fxopt") is None, reason="the fxopt console script is not installed")
+def test_console_script():
+    """The `fxopt` console script declared in pyproject runs the same command line."""
+    result = subprocess.run(["fxopt", "passes"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "fold_conv_bn" in result.stdout
