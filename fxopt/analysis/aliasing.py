@@ -24,6 +24,8 @@ VIEW_OPS = frozenset({
     "expand", "expand_as", "view_as", "reshape_as", "narrow", "select", "chunk", "split", "unbind", "detach",
     "movedim", "swapaxes", "contiguous", "to", "float", "type_as", "identity", "getattr",
 })
+# View ops returning several views of one base: autograd forbids writing into any of them in place.
+MULTI_OUTPUT_VIEW_OPS = frozenset({"chunk", "split", "unbind"})
 # Reading only a tensor's metadata is not a read of its values.
 _METADATA_OPS = frozenset({"size", "dim", "numel"})
 _METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout"})
@@ -41,6 +43,15 @@ def is_inplace_op(name: str | None) -> bool:
     """`relu_`, `add_`, `iadd`...: the op writes into its first input and returns it."""
     return name is not None and ((name.endswith("_") and not name.endswith("__"))
                                  or name in ("iadd", "isub", "imul", "itruediv"))
+
+
+def has_internal_overlap(node: fx.Node) -> bool:
+    """Several elements of the tensor share memory (an `expand`ed view): it cannot be written in place.
+
+    Unknown shapes count as overlapping.
+    """
+    val = tensor_meta(node)
+    return val is None or any(stride == 0 and size > 1 for stride, size in zip(val.stride(), val.shape))
 
 
 def may_return_input(node: fx.Node, gm: fx.GraphModule) -> bool:

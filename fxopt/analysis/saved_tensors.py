@@ -26,13 +26,15 @@ import torch.nn.functional as F
 
 from .shapes import tensor_meta
 
-NONE, FIRST, ALL = "none", "first", "all"  # which tensor inputs a backward keeps
+# Which tensor inputs a backward keeps: none, the first, all, or (products) each operand for the
+# other's gradient, so all of them when there are two or more and none beside a Python scalar.
+NONE, FIRST, ALL, OPERANDS = "none", "first", "all", "operands"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Rule:
     output: bool = False  # keeps its own output
-    inputs: str = NONE  # NONE, FIRST (the first tensor argument) or ALL tensor arguments
+    inputs: str = NONE  # NONE, FIRST, ALL or OPERANDS (see above)
     extra: Callable[[fx.Node], int] | None = None  # bytes of internal tensors it also keeps (masks, indices)
 
 
@@ -79,7 +81,8 @@ _TABLE: dict[str, _Rule] = {
     # max pooling keeps its input and the int64 argmax indices
     **dict.fromkeys(["max_pool1d", "max_pool2d", "max_pool3d"], _Rule(inputs=FIRST, extra=_int64_like_output)),
     # products and layers keep their operands (weights, running statistics: parameters and buffers)
-    **dict.fromkeys(["mul", "div", "truediv", "matmul", "mm", "bmm", "addmm", "linear", "conv1d", "conv2d",
+    **dict.fromkeys(["mul", "div", "truediv"], _Rule(inputs=OPERANDS)),
+    **dict.fromkeys(["matmul", "mm", "bmm", "addmm", "linear", "conv1d", "conv2d",
                      "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "batch_norm",
                      "layer_norm", "group_norm", "instance_norm", "embedding"], _KEEPS_ALL_INPUTS),
     # fxopt's relu that keeps a bool mask of where its input was positive (fxopt.passes._relu_mask)
@@ -194,7 +197,8 @@ def saved_for_backward(node: fx.Node, gm: fx.GraphModule) -> SavedForBackward:
     inputs = _tensor_inputs(node)
     if rule is None:
         return SavedForBackward(True, inputs, False)
-    kept = {NONE: (), FIRST: inputs[:1], ALL: inputs}[rule.inputs]
+    operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and a in inputs]
+    kept = {NONE: (), FIRST: inputs[:1], ALL: inputs, OPERANDS: inputs if len(operands) > 1 else ()}[rule.inputs]
     return SavedForBackward(rule.output, kept, True)
 
 

@@ -20,7 +20,8 @@ When it refuses an in-place rewrite (reason in the report):
   unknown_op             the input may alias the result of an op fxopt does not know
   graph_input            the input is (a view of) a graph input, parameter or buffer: never mutated
   used_later             the input itself is read after the activation
-  aliased                a view or other alias of the input is read after the activation
+  aliased                a view or other alias of the input is read after the activation, or the input
+                         is an expanded view or one of several views from `chunk`/`split`/`unbind`
   producer_saves_output  (training) the op that produced the input keeps its output for backward
   saved_by_other_op      (training) another op keeps the input for backward (e.g. a `mul` reading it)
   backward_needs_input   (training) hardtanh/relu6/hardswish/silu, or a negative slope/alpha:
@@ -39,7 +40,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..analysis.activations import ActivationCall, match_activation
-from ..analysis.aliasing import AliasInfo
+from ..analysis.aliasing import MULTI_OUTPUT_VIEW_OPS, AliasInfo, has_internal_overlap
 from ..analysis.saved_tensors import dropout_training, is_known_op, op_name, saved_for_backward
 from ..analysis.shapes import tensor_meta
 from ._relu_mask import relu_mask, relu_mask_
@@ -64,6 +65,10 @@ def _inplace_refusal(act: ActivationCall, gm: fx.GraphModule, aliases: AliasInfo
     if inputs:
         what = "a graph input" if inputs[0].op == "placeholder" else "a parameter or buffer"
         return "graph_input", f"{x.name} is {'' if inputs[0] is x else 'a view of '}{what} ({inputs[0].name})"
+    views = [a for a in group if op_name(a, gm) in MULTI_OUTPUT_VIEW_OPS]
+    if views or has_internal_overlap(x):
+        why = f"one of several views returned by {_describe(views[0], gm)}" if views else "an expanded view"
+        return "aliased", f"{x.name} is {why}; autograd or the kernel forbids writing it in place"
     later = aliases.value_reads_after(x, node)
     if later:
         return "used_later", f"{later[0].name} reads {x.name} after {node.name}"
