@@ -173,3 +173,18 @@ def fx_is_impure(fn, args, kwargs) -> bool:
     from torch._library.utils import is_impure
 
     return is_impure(fn, args=args, kwargs=kwargs)
+
+
+def make_buffers_non_persistent(gm, names) -> None:
+    """Leave buffers `names` of GraphModule `gm` out of state_dict(), in deep copies too.
+
+    GraphModule's deepcopy re-registers every get_attr tensor as a persistent buffer, so the
+    marking is repeated by a deepcopy hook.
+    """
+    def mark(module) -> None:
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner)._non_persistent_buffers_set.add(attr)
+
+    mark(gm)
+    gm._register_deepcopy_hook(mark)

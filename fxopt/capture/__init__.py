@@ -64,6 +64,35 @@ def _carry_unused_state(root: torch.nn.Module, gm: fx.GraphModule) -> None:
             dst_owner.register_buffer(attr, tensor, persistent=attr not in src_owner._non_persistent_buffers_set)
 
 
+def _match_persistence(original: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """Keep out of state_dict() every buffer the caller's module keeps out, and tracing's constants (`_tensor_constant0`).
+
+    A GraphModule registers every tensor its graph reads as a persistent buffer.
+    """
+    saved = set(original.state_dict(keep_vars=True))
+    hidden = [name for name, _ in gm.named_buffers(remove_duplicate=False) if name not in saved]
+    if hidden:
+        _torch_private.make_buffers_non_persistent(gm, hidden)
+
+
+def _match_order(original: torch.nn.Module, copy_: torch.nn.Module) -> None:
+    """Order `copy_`'s children, parameters and buffers as in `original`, recursively.
+
+    A GraphModule registers submodules in the order the graph first uses them; parameters()
+    and state_dict() order must match the caller's model so optimizer state (kept by index)
+    moves between the two.
+    """
+    for slot in ("_modules", "_parameters", "_buffers"):
+        mine, theirs = getattr(copy_, slot), getattr(original, slot)
+        ordered = [k for k in theirs if k in mine] + [k for k in mine if k not in theirs]
+        reordered = {k: mine[k] for k in ordered}
+        mine.clear()
+        mine.update(reordered)
+    for name, child in copy_._modules.items():
+        if name in original._modules and child is not original._modules[name] and child is not None:
+            _match_order(original._modules[name], child)
+
+
 @dataclasses.dataclass
 class _BoundCall:
     """A recorded call, split for tracing: placeholder values, fixed flag values, fx's concrete_args."""
@@ -131,6 +160,8 @@ class _Capturer:
             return self.capture_children(module, path)
         gm = traced.gm
         _carry_unused_state(module, gm)
+        _match_order(module, gm)
+        _match_persistence(module, gm)
         _keep_plain_attributes(module, gm)
         self.graphs.append(CapturedGraph(path, gm, call.values))
         for leaf in traced.opaque:

@@ -45,7 +45,8 @@ class SpecializedCall(torch.nn.Module):
         super().__init__()
         # Share (not copy) the graph's state so keys and devices stay those of the original module.
         self.__dict__.update(_parameters=graph_module._parameters, _buffers=graph_module._buffers,
-                             _modules=graph_module._modules)
+                             _modules=graph_module._modules,
+                             _non_persistent_buffers_set=graph_module._non_persistent_buffers_set)
         # Held outside the module tree so state_dict() does not list anything twice.
         self.__dict__["graph_module"] = graph_module
         self.__dict__["original"] = original

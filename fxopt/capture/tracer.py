@@ -49,12 +49,38 @@ class Traced:
     shape_specialized: bool = False
 
 
+class _NoVarKeywords(dict):
+    """The empty `**kwargs` of a traced call: a real dict, but a pytree leaf, so fx makes no placeholder."""
+
+
+class _NoVarPositionals(tuple):
+    """The empty `*args` of a traced call (see _NoVarKeywords)."""
+
+
 class _LocatingTracer(fx.Tracer):
-    """A tracer that treats chosen modules as leaves and remembers which module a failure was in."""
+    """A tracer that treats chosen modules as leaves and remembers which module a failure was in.
+
+    `concrete_args` may name empty varargs as "*args" / "**kwargs": they are passed as empty
+    containers without a placeholder (fx's own concrete_args route generates invalid code for them
+    next to specialized flags).
+    """
 
     def __init__(self, opaque_paths: set[str]):
         super().__init__()
         self.opaque_paths = opaque_paths
+        self.empty_varargs: set[str] = set()
+
+    def trace(self, root, concrete_args=None):
+        concrete_args = dict(concrete_args or {})
+        self.empty_varargs = {name for name in concrete_args if name.startswith("*")}
+        for name in self.empty_varargs:
+            del concrete_args[name]
+        return super().trace(root, concrete_args or None)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if kind == "placeholder" and target in self.empty_varargs:
+            return _NoVarKeywords() if target.startswith("**") else _NoVarPositionals()
+        return super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return qualname in self.opaque_paths or super().is_leaf_module(m, qualname)
@@ -138,6 +164,8 @@ class _ShapeTracer(_LocatingTracer):
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        if not isinstance(proxy, fx.Proxy):  # an empty *args / **kwargs
+            return proxy
         value = self._evaluate(proxy.node)
         if value is not _MISSING:
             self.values[proxy.node] = value
@@ -196,10 +224,11 @@ def _describe(e: Exception) -> str:
     return f"{type(e).__name__}: {msg[:160]}{where}"
 
 
-def _trace(module: torch.nn.Module, concrete_args: dict | None, example_values: dict | None) -> Traced:
+def _trace(module: torch.nn.Module, concrete_args: dict | None, example_values: dict | None,
+           retries: bool = True) -> Traced:
     """Trace `module`, making each failing submodule an opaque leaf and retrying (once per submodule)."""
     opaque: dict[str, OpaqueModule] = {}
-    for _ in range(len(list(module.modules())) + 1):
+    for _ in range(len(list(module.modules())) + 1 if retries else 1):
         if example_values is None:
             tracer = _LocatingTracer(set(opaque))
         else:
@@ -209,7 +238,7 @@ def _trace(module: torch.nn.Module, concrete_args: dict | None, example_values: 
                 graph = tracer.trace(module, concrete_args=concrete_args)
         except Exception as e:  # noqa: BLE001 - any tracing failure is handled the same way
             path = getattr(e, "_fxopt_module_path", "")
-            if path == "" or path in opaque:
+            if path == "" or path in opaque or not retries:
                 return Traced(None, [OpaqueModule("", type(module).__name__, _describe(e))])
             opaque[path] = OpaqueModule(path, type(module.get_submodule(path)).__name__, _describe(e))
             continue
@@ -229,13 +258,11 @@ def trace_with_opaque_leaves(module: torch.nn.Module, concrete_args: dict | None
                              example_call: tuple[tuple, dict] | None = None) -> Traced:
     """Trace `module` as generally as possible (see module docstring).
 
-    `example_call` is the (args, kwargs) of a real call; without it only plain tracing is tried.
-    The shape-specialized graph is used only when it leaves fewer submodules opaque.
+    One plain attempt first: if the whole module traces, its graph is general in the shapes.
+    Otherwise, given `example_call` (the (args, kwargs) of a real call), a shape-specialized
+    trace with opaque-leaf retries; without it, plain tracing with retries.
     """
-    plain = _trace(module, concrete_args, None)
-    if example_call is None or (plain.gm is not None and not plain.opaque):
+    plain = _trace(module, concrete_args, None, retries=example_call is None)
+    if plain.gm is not None and not plain.opaque or example_call is None:
         return plain
-    specialized = _trace(module, concrete_args, _example_values(module, *example_call))
-    if specialized.gm is not None and (plain.gm is None or len(specialized.opaque) < len(plain.opaque)):
-        return specialized
-    return plain
+    return _trace(module, concrete_args, _example_values(module, *example_call))
