@@ -5,8 +5,8 @@ Plain `symbolic_trace` rejects a whole model when any line of it branches on a s
 does one of these). `trace_with_opaque_leaves` traces what it can, in two steps:
 
 1. Plain tracing: the graph is general in the input shapes. If it succeeds, that graph is used.
-2. Shape-specialized tracing: every proxy carries the fake tensor it stands for (computed from
-   the example inputs as the trace goes, without real compute), so `x.shape`, `x.size(1)`,
+2. Shape-specialized tracing: every proxy carries the tensor it stands for (each recorded op
+   is also run on the example inputs as the trace goes, buffers and RNG restored after), so `x.shape`, `x.size(1)`,
    `x.dim()`, `len(x)` and `x.dtype` answer with the example's concrete values. The graph is
    then valid only for inputs of those shapes and dtypes: `capture` guards it
    (`SpecializedCall` runs the original module for any other input). Branching on a tensor's
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import _torch_private
 from ..errors import FxoptError
 from .state import preserved_state
 
@@ -141,12 +140,16 @@ class _ShapeProxy(fx.Proxy):
 
 
 class _ShapeTracer(_LocatingTracer):
-    """A `_LocatingTracer` that runs every recorded op on fake tensors to know each node's value."""
+    """A `_LocatingTracer` that also runs every recorded op on the example values, to know each node's value.
 
-    def __init__(self, opaque_paths: set[str], example_values: dict[str, Any], fake_mode):
+    Real values rather than FakeTensors: tracing already runs under `preserved_state`, the
+    example inputs are small, and fake kernels (batch_norm's decomposition above all) are
+    tens of times slower than running these ops for real on CPU.
+    """
+
+    def __init__(self, opaque_paths: set[str], example_values: dict[str, Any]):
         super().__init__(opaque_paths)
         self.example_values = example_values
-        self.fake_mode = fake_mode
         self.values: dict[fx.Node, Any] = {}
         self.specialized = False
         self.evaluating = False
@@ -154,7 +157,7 @@ class _ShapeTracer(_LocatingTracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ShapeProxy(node, self)
 
-    # While a leaf module runs on fake values, the tracer's patches of Module.__call__ and
+    # While a leaf module runs on example values, the tracer's patches of Module.__call__ and
     # Module.__getattr__ must step aside, or the leaf's insides would be recorded in the graph.
     def call_module(self, m, forward, args, kwargs):
         return forward(*args, **kwargs) if self.evaluating else super().call_module(m, forward, args, kwargs)
@@ -172,33 +175,32 @@ class _ShapeTracer(_LocatingTracer):
         return proxy
 
     def _evaluate(self, node: fx.Node):
-        """The fake value `node` produces, or _MISSING when it cannot be known without real data."""
+        """The value `node` produces on the example inputs, or _MISSING if that cannot be computed."""
         self.evaluating = True
         try:
-            return self._run_on_fakes(node)
-        except Exception:  # noqa: BLE001 - data-dependent or unsupported on fake tensors: value unknown
+            return self._run(node)
+        except Exception:  # noqa: BLE001 - the value stays unknown; plain tracing behaviour applies
             return _MISSING
         finally:
             self.evaluating = False
 
-    def _run_on_fakes(self, node: fx.Node):
+    def _run(self, node: fx.Node):
         if node.op == "placeholder":
             value = self.example_values.get(node.target, _MISSING)
-            return self._fake(value) if isinstance(value, torch.Tensor) else value
+            return value.clone() if isinstance(value, torch.Tensor) else value  # ops may write in place
         if node.op == "get_attr":
             value = _get_qualified(self.root, node.target)
-            return self._fake(value) if isinstance(value, torch.Tensor) else _MISSING
+            return value.detach().clone() if isinstance(value, torch.Tensor) else _MISSING
         missing = []
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self._lookup(n, missing))
         if missing:
             return _MISSING
-        with self.fake_mode:
-            if node.op == "call_function":
-                return node.target(*args, **kwargs)
-            if node.op == "call_method":
-                return getattr(args[0], node.target)(*args[1:], **kwargs)
-            if node.op == "call_module":
-                return self.root.get_submodule(node.target)(*args, **kwargs)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "call_module":
+            return self.root.get_submodule(node.target)(*args, **kwargs)
         return _MISSING
 
     def _lookup(self, node: fx.Node, missing: list):
@@ -206,9 +208,6 @@ class _ShapeTracer(_LocatingTracer):
         if value is _MISSING:
             missing.append(node)
         return value
-
-    def _fake(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if _torch_private.is_fake(tensor) else self.fake_mode.from_tensor(tensor)
 
 
 def _get_qualified(root: torch.nn.Module, target: str):
@@ -232,7 +231,7 @@ def _trace(module: torch.nn.Module, concrete_args: dict | None, example_values: 
         if example_values is None:
             tracer = _LocatingTracer(set(opaque))
         else:
-            tracer = _ShapeTracer(set(opaque), example_values, _torch_private.fake_tensor_mode())
+            tracer = _ShapeTracer(set(opaque), example_values)
         try:
             with preserved_state(module):
                 graph = tracer.trace(module, concrete_args=concrete_args)
