@@ -238,6 +238,14 @@ def test_bad_differentiable_outputs_on_dict_output(bad, message):
         fxopt.optimize(aux_model(DictOut), X_VEC, mode="training", passes=PRUNE, differentiable_outputs=bad)
 
 
+def test_verify_differentiates_only_the_declared_outputs():
+    """verify=True compares the step the caller will run: the loss reads only the declared outputs."""
+    opt = fxopt.optimize(aux_model(), X_VEC, mode="training", differentiable_outputs=[0], verify=True)
+    assert opt.fxopt_report["prune_dead_grads"].max_abs_diff == 0.0
+    with pytest.raises(fxopt.FxoptError, match="not an output of the model"):
+        fxopt.optimize(aux_model(), X_VEC, mode="training", differentiable_outputs=[5], verify=True)
+
+
 def test_differentiable_outputs_in_inference_is_an_error():
     """Nothing is differentiated in inference, so declaring differentiable outputs there is a mistake."""
     with pytest.raises(fxopt.FxoptError, match="applies to training"):

@@ -46,7 +46,8 @@ def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", pass
     captured = capture(model, example_inputs)
     for g in captured.graphs:
         propagate_shapes(g.gm, g.example_inputs)
-    verifier = Verifier(model, example_inputs, training=mode == "training") if verify else None
+    verifier = Verifier(model, example_inputs, training=mode == "training",
+                        differentiable=pass_options.get("differentiable_outputs")) if verify else None
     ctx = PassContext(mode, dict(pass_options))
     report = PassManager(pipeline, instruments, verifier).run(captured.module, captured.graphs, ctx)
     report.opaque = captured.opaque

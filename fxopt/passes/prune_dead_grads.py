@@ -80,8 +80,12 @@ def parse_differentiable_outputs(value) -> tuple | None:
 
 
 def output_entries(gm: fx.GraphModule) -> dict[Hashable, object]:
-    """The model's outputs by index (tuple/list or a single value) or key (dict)."""
-    out = gm.graph.find_nodes(op="output")[0].args[0]
+    """The graph's outputs by index (tuple/list or a single value) or key (dict)."""
+    return entries_of(gm.graph.find_nodes(op="output")[0].args[0])
+
+
+def entries_of(out) -> dict[Hashable, object]:
+    """A returned structure's entries by index (tuple/list or a single value) or key (dict)."""
     if isinstance(out, dict):
         return dict(out)
     if isinstance(out, (tuple, list)):
@@ -89,7 +93,8 @@ def output_entries(gm: fx.GraphModule) -> dict[Hashable, object]:
     return {0: out}
 
 
-def _chosen(entries: dict, selection: tuple) -> set:
+def chosen_outputs(entries: dict, selection: tuple) -> set:
+    """The keys of `entries` that `selection` (parsed differentiable_outputs) names; bad names: FxoptError."""
     keyed = all(isinstance(k, str) for k in entries) and entries
     for item in selection:
         if isinstance(item, str) and not keyed:
@@ -164,7 +169,7 @@ class PruneDeadGrads(Pass):
             result.record("refused", "output", "not_model_outputs",
                           f"{where} does not return the model's outputs; differentiable_outputs not applied")
             return set(entries)
-        return _chosen(entries, selection)
+        return chosen_outputs(entries, selection)
 
     @staticmethod
     def _analyze(gm: fx.GraphModule, ctx: PassContext, chosen: set) -> GradNeeds:

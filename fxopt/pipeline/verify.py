@@ -36,8 +36,24 @@ class StepResult:
     inputs_after: list[torch.Tensor]
 
 
-def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool) -> StepResult:
-    """One forward (and in training, backward) on copies; the caller's objects are untouched."""
+def differentiated_outputs(output, declared) -> list[torch.Tensor]:
+    """The output tensors a loss differentiates: all, or the entries `declared` names (indices or dict keys)."""
+    # imported here: the pass imports this module (through fxopt.analysis.costs)
+    from ..passes.prune_dead_grads import chosen_outputs, entries_of, parse_differentiable_outputs
+
+    selection = parse_differentiable_outputs(declared)
+    if selection is None:
+        return flatten_tensors(output)
+    entries = entries_of(dict(output) if isinstance(output, Mapping) else output)
+    chosen = chosen_outputs(entries, selection)
+    return [t for key, entry in entries.items() if key in chosen for t in flatten_tensors(entry)]
+
+
+def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool, differentiable=None) -> StepResult:
+    """One forward (and in training, backward) on copies; the caller's objects are untouched.
+
+    `differentiable`: which outputs the loss reads (prune_dead_grads' `differentiable_outputs`).
+    """
     model = copy.deepcopy(model)
     inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
               for x in example_inputs]
@@ -45,13 +61,15 @@ def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool) -> S
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         with torch.set_grad_enabled(training):
-            outputs = flatten_tensors(model(*inputs))
+            result = model(*inputs)
+            outputs = flatten_tensors(result)
         for i, out in enumerate(outputs):
             tensors[f"output[{i}]"] = out.detach()
         if training:
             gen = torch.Generator().manual_seed(SEED)
             loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum()
-                       for o in outputs if o.requires_grad and o.is_floating_point())
+                       for o in differentiated_outputs(result, differentiable)
+                       if o.requires_grad and o.is_floating_point())
             if isinstance(loss, torch.Tensor):
                 loss.backward()
             for name, p in model.named_parameters():
@@ -100,15 +118,16 @@ def max_difference(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], r
 
 class Verifier:
     def __init__(self, original: torch.nn.Module, example_inputs: tuple, training: bool,
-                 rtol: float = 1e-4, atol: float = 1e-4):
+                 rtol: float = 1e-4, atol: float = 1e-4, differentiable=None):
         self.example_inputs = example_inputs
         self.training = training
         self.rtol, self.atol = rtol, atol
-        self.reference = run_step(original, example_inputs, training).tensors
+        self.differentiable = differentiable
+        self.reference = run_step(original, example_inputs, training, differentiable).tensors
 
     def check(self, candidate: torch.nn.Module, pass_name: str) -> float:
         """Return the largest difference; raise FxoptError naming `pass_name` on a mismatch."""
-        got = run_step(candidate, self.example_inputs, self.training)
+        got = run_step(candidate, self.example_inputs, self.training, self.differentiable)
         for i, (before, after) in enumerate(zip(self.example_inputs, got.inputs_after)):
             if isinstance(before, torch.Tensor) and not torch.equal(before, after.detach()):
                 raise FxoptError(f"verification failed after pass {pass_name!r}: it mutated input {i}")
