@@ -17,6 +17,7 @@ from ..pipeline.verify import Verifier
 
 
 def normalize_inputs(example_inputs) -> tuple:
+    """A tuple of tensors from a tensor, a tuple or a list of tensors; anything else is an FxoptError."""
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
     if isinstance(example_inputs, list):
@@ -24,7 +25,18 @@ def normalize_inputs(example_inputs) -> tuple:
     if not isinstance(example_inputs, tuple) or not example_inputs:
         raise FxoptError("example_inputs must be a tensor or a non-empty tuple of tensors, "
                          f"got {type(example_inputs).__name__}")
+    wrong = [f"[{i}] is a {type(x).__name__}" for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor)]
+    if wrong:
+        raise FxoptError(f"example_inputs must all be tensors: {', '.join(wrong)}")
     return example_inputs
+
+
+def _check_pass_names(passes) -> None:
+    if passes is None or isinstance(passes, str):
+        return
+    if not isinstance(passes, Sequence) or not all(isinstance(name, str) for name in passes):
+        raise FxoptError(f"passes must be None or a list of pass names, got {passes!r}; "
+                         f"available passes: {', '.join(PASSES)}")
 
 
 def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", passes: Sequence[str] | None = None,
@@ -41,6 +53,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", pass
     if not isinstance(model, torch.nn.Module):
         raise FxoptError(f"expected a torch.nn.Module, got {type(model).__name__}")
     example_inputs = normalize_inputs(example_inputs)
+    _check_pass_names(passes)
     mode = resolve_mode(mode, model.training)
     pipeline = build_pipeline(mode, passes, pass_options)
     captured = capture(model, example_inputs)

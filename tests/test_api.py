@@ -1,0 +1,113 @@
+"""fxopt.optimize: what it returns, and a clear FxoptError (never a raw traceback) for every bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import fxopt
+from equivalence import assert_same_step
+from fxopt.passes import PASSES
+
+
+def small_net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 8 * 8, 2))
+
+
+X = torch.randn(2, 3, 8, 8)
+
+
+def test_fully_traceable_model_comes_back_as_a_graph_module_with_a_report():
+    """A model plain tracing accepts becomes one GraphModule carrying its report."""
+    model = small_net().eval()
+    optimized = fxopt.optimize(model, X)
+    assert isinstance(optimized, fx.GraphModule)
+    assert optimized.fxopt_report.mode == "inference"
+    assert optimized.fxopt_report["fold_conv_bn"].stats["folded"] == 1
+    assert_same_step(model, optimized, (X,), training=False)
+
+
+@pytest.mark.parametrize("inputs", [X, (X,), [X]])
+def test_example_inputs_forms(inputs):
+    """A single tensor, a tuple and a list of tensors are all accepted."""
+    fxopt.optimize(small_net().eval(), inputs)
+
+
+@pytest.mark.parametrize("training, expected", [(True, "training"), (False, "inference")])
+def test_auto_mode_follows_model_training(training, expected):
+    """mode="auto" is training for a model in train mode, inference otherwise."""
+    assert fxopt.optimize(small_net().train(training), X).fxopt_report.mode == expected
+
+
+def test_available_passes_have_summaries():
+    """Every registered pass is listed, with a one-line summary for the CLI."""
+    names = fxopt.available_passes()
+    assert {"fold_conv_bn", "inplace_relu", "checkpoint_activations", "prune_dead_grads"} <= set(names)
+    assert all(PASSES[n].summary and "\n" not in PASSES[n].summary for n in names)
+
+
+def test_unknown_pass_names_it_and_lists_the_valid_ones():
+    """A misspelt pass is named, and the valid names are listed so the user can fix it."""
+    with pytest.raises(fxopt.FxoptError) as info:
+        fxopt.optimize(small_net().eval(), X, passes=["fold_conv_bm"])
+    assert "'fold_conv_bm'" in str(info.value)
+    assert all(name in str(info.value) for name in fxopt.available_passes())
+
+
+def test_passes_must_be_names():
+    """passes=<something that is not a list of names> is an FxoptError, not a TypeError from inside."""
+    with pytest.raises(fxopt.FxoptError, match="list of pass names"):
+        fxopt.optimize(small_net().eval(), X, passes=[PASSES["fold_conv_bn"]])
+
+
+def test_option_no_selected_pass_takes():
+    """An option that no selected pass declares is an error naming it (a typo would otherwise be ignored)."""
+    with pytest.raises(fxopt.FxoptError, match="option 'memory_budget' is not taken by any selected pass"):
+        fxopt.optimize(small_net().eval(), X, passes=["fold_conv_bn"], memory_budget=0.5)
+    with pytest.raises(fxopt.FxoptError, match="option 'memory_budjet'"):
+        fxopt.optimize(small_net().train(), X, memory_budjet=0.5)
+
+
+def test_bad_mode():
+    """An unknown mode lists the valid ones."""
+    with pytest.raises(fxopt.FxoptError, match="unknown mode 'eval'.*auto, inference, training"):
+        fxopt.optimize(small_net(), X, mode="eval")
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ((X, 3), r"\[1\] is a int"),
+    (["image.png"], r"\[0\] is a str"),
+    ((), "non-empty tuple of tensors"),
+    ({"x": X}, "got dict"),
+    (None, "got NoneType"),
+])
+def test_example_inputs_that_are_not_tensors(inputs, message):
+    """Non-tensor example inputs are refused up front, saying which one is wrong."""
+    with pytest.raises(fxopt.FxoptError, match=message):
+        fxopt.optimize(small_net().eval(), inputs)
+
+
+def test_model_that_is_not_a_module():
+    """A function or other object is refused with its type."""
+    with pytest.raises(fxopt.FxoptError, match="expected a torch.nn.Module, got function"):
+        fxopt.optimize(lambda x: x, X)
+
+
+def test_shape_the_model_rejects_names_the_layer_and_the_shapes():
+    """Inputs of the wrong shape say which layer failed, on which shapes, and why."""
+    with pytest.raises(fxopt.FxoptError) as info:
+        fxopt.optimize(small_net().eval(), torch.randn(2, 5, 8, 8))
+    message = str(info.value)
+    assert "module '0' (Conv2d)" in message
+    assert "(2, 5, 8, 8) float32" in message
+    assert "expected input[2, 5, 8, 8] to have 3 channels" in message
+    assert isinstance(info.value.__cause__, RuntimeError)  # the original error is kept for debugging
+
+
+def test_shape_error_deep_in_a_nested_model_names_the_innermost_module():
+    """The innermost failing module is named with its full path, not just the model."""
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.Linear(8, 8))))
+    with pytest.raises(fxopt.FxoptError, match=r"module '0.1.0' \(Linear\) failed on inputs \[\(2, 4, 8, 9\) float32\]"):
+        fxopt.optimize(model, torch.randn(2, 3, 8, 9))
