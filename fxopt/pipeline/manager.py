@@ -16,7 +16,7 @@ import torch.fx as fx
 from ..analysis.shapes import propagate_shapes
 from ..capture import CapturedGraph
 from ..errors import FxoptError
-from ..passes.base import Pass, PassContext
+from ..passes.base import Pass, PassContext, PassResult
 from .instruments import Instrument
 from .report import PassReport, Report
 from .verify import Verifier
@@ -39,11 +39,11 @@ class PassManager:
             code_before = {path: gm.code for path, gm in by_path.items()}
             for g in graphs:
                 self._run_one(p, g, ctx, entry, done=[q.name for q in self.passes[:index - 1]])
+            report.passes.append(entry)
+            for instrument in self.instruments:  # before verifying, so a failing stage is still shown
+                instrument.after_pass(index, entry, code_before, by_path)
             if self.verifier is not None:
                 entry.max_abs_diff = self.verifier.check(module, p.name)
-            report.passes.append(entry)
-            for instrument in self.instruments:
-                instrument.after_pass(index, entry, code_before, by_path)
         return report
 
     @staticmethod
@@ -53,16 +53,18 @@ class PassManager:
         start = time.perf_counter()
         try:
             result = p.run(gm, dataclasses.replace(ctx, graph_path=g.path))
+            if not isinstance(result, PassResult):
+                raise TypeError(f"run() returned {type(result).__name__}, not a PassResult")
             gm.graph.lint()
             gm.recompile()
+            if result.changed:
+                propagate_shapes(gm, g.example_inputs)
         except FxoptError:
             raise
         except Exception as e:
             after = f" (after {', '.join(done)})" if done else " (the first pass)"
             where = f" on graph {g.path!r}" if g.path else ""
             raise FxoptError(f"pass {p.name!r} failed{where}{after}: {type(e).__name__}: {e}") from e
-        if result.changed:
-            propagate_shapes(gm, g.example_inputs)
         entry.seconds += time.perf_counter() - start
         entry.nodes_before += nodes_before
         entry.nodes_after += len(gm.graph.nodes)

@@ -32,8 +32,20 @@ class PassReport:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["stats"] = dict(self.stats)
+        d["figures"] = {key: _jsonable(value) for key, value in self.figures.items()}
         d["changed"] = self.changed
         return d
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` as JSON data: containers element by element, other objects (a torch.Size, a dtype) as text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
 
 
 @dataclasses.dataclass
