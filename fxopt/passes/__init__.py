@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from .base import Pass
+from .checkpoint_activations import CheckpointActivations
 from .fold_conv_bn import FoldConvBN
 from .inplace_relu import InplaceReLU
 from .prune_dead_grads import PruneDeadGrads
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (FoldConvBN, InplaceReLU, PruneDeadGrads)}
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (FoldConvBN, InplaceReLU, CheckpointActivations, PruneDeadGrads)}

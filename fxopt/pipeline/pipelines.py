@@ -7,7 +7,7 @@ from ..passes.base import MODES, Pass
 
 DEFAULT_PIPELINES: dict[str, tuple[str, ...]] = {
     "inference": ("fold_conv_bn", "prune_dead_grads", "inplace_relu"),
-    "training": ("fold_conv_bn", "prune_dead_grads", "inplace_relu"),
+    "training": ("fold_conv_bn", "prune_dead_grads", "inplace_relu", "checkpoint_activations"),
 }
 
 # Passes in a default pipeline that run only when the caller gives this option.

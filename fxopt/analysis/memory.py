@@ -1,0 +1,252 @@
+"""The memory of one training step (forward + backward), estimated per node, for any checkpoint plan.
+
+`step_profile(gm)` lists the graph's call nodes in execution order as `Step`s: the storages each
+creates, the storages autograd keeps for its backward (`fxopt.analysis.saved_tensors`), its
+FLOPs (`fxopt.analysis.flops`). Tensors are identified by their storage in the fake tensors of
+`node.meta["val"]`, so views share bytes with their base; placeholders, parameters and buffers
+live anyway and cost nothing (as in `fxopt.measure`).
+
+`estimate(profile, regions)` simulates the step under a plan of checkpointed `Region`s:
+
+* a kept tensor is alive from the forward that makes it until the backward of its *first*
+  holder (backward runs last node first); a holder is a node that is not checkpointed and saves
+  it, or a region that keeps it (its inputs, and in a selective region its matmul outputs);
+* the backward of a node at position p holds every kept tensor whose first holder is at or
+  before p, plus the gradients of the tensors crossing p (`grad_live`);
+* the backward of a region first recomputes it: everything its nodes save is alive at once,
+  on top of what is kept, while its backward starts;
+* the forward at p holds the kept tensors made so far and the tensors still to be read.
+
+The peak of the step is the largest of these. `segment_effect` is the one step of this
+simulation the planner (fxopt.passes._checkpoint_plan) also takes, so both see the same model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .. import _torch_private
+from .flops import node_flops
+from .saved_tensors import saved_bytes, saved_for_backward
+from .shapes import tensor_meta
+
+Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One call node, at its position in execution order."""
+
+    node: fx.Node
+    creates: frozenset  # storages it allocates
+    reads: frozenset  # storages of its tensor inputs that cost memory
+    saved: frozenset  # storages autograd keeps for its backward
+    flops: int  # forward FLOPs (FlopCounterMode)
+    counted: bool  # a matmul / conv / attention: the ops a selective region saves
+
+    @property
+    def recompute_cost(self) -> int:
+        """FLOPs, and one per output element for the ops FlopCounterMode does not count."""
+        if self.flops:
+            return self.flops
+        val = tensor_meta(self.node)
+        return max(1, val.numel() if val is not None else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Steps [start, stop) recomputed in backward; `save_counted`: except matmul/conv/attention outputs."""
+
+    start: int
+    stop: int
+    save_counted: bool = False
+
+
+@dataclasses.dataclass
+class StepProfile:
+    steps: list[Step]
+    nbytes: dict  # Key -> bytes
+    last_read: dict  # Key -> position of its last reader (len(steps) for graph outputs)
+    grad_live: list[int]  # bytes of gradients alive during the backward of each position
+    _regions: dict = dataclasses.field(default_factory=dict, repr=False)  # Region -> (keeps, recomputes)
+
+    def bytes_of(self, keys) -> int:
+        return sum(self.nbytes[k] for k in keys)
+
+    def region_keeps(self, r: Region) -> frozenset:
+        """What a region keeps for backward: its inputs and, if selective, its counted ops' outputs."""
+        return self._region_sets(r)[0]
+
+    def region_recomputes(self, r: Region) -> frozenset:
+        """What the region's recomputation makes alive again: everything its steps save."""
+        return self._region_sets(r)[1]
+
+    def _region_sets(self, r: Region) -> tuple[frozenset, frozenset]:
+        if r not in self._regions:
+            steps = self.steps[r.start:r.stop]
+            made = frozenset().union(*(s.creates for s in steps))
+            keeps = frozenset().union(*(s.reads for s in steps)) - made
+            if r.save_counted:
+                keeps |= frozenset().union(*(s.creates for s in steps if s.counted))
+            self._regions[r] = (keeps, frozenset().union(*(s.saved for s in steps)))
+        return self._regions[r]
+
+    def region_cost(self, r: Region) -> int:
+        return sum(s.recompute_cost for s in self.steps[r.start:r.stop] if not (r.save_counted and s.counted))
+
+    def region_flops(self, r: Region) -> int:
+        return sum(s.flops for s in self.steps[r.start:r.stop] if not (r.save_counted and s.counted))
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentEffect:
+    held: frozenset  # kept tensors still readable later (the planner's state)
+    kept_bytes: int  # bytes kept by every segment so far
+    peak: int  # the largest backward live bytes inside this segment
+
+
+def segment_effect(profile: StepProfile, held: frozenset, kept_bytes: int, segment: Region | int) -> SegmentEffect:
+    """Add one segment (a plain step at a position, or a region) to a plan walked in forward order."""
+    if isinstance(segment, int):
+        keeps, extra, stop = profile.steps[segment].saved, frozenset(), segment + 1
+        grads = profile.grad_live[segment]
+    else:
+        keeps, stop = profile.region_keeps(segment), segment.stop
+        extra = profile.region_recomputes(segment) - keeps - held
+        grads = max(profile.grad_live[segment.start:stop])
+    kept_bytes += profile.bytes_of(keeps - held)
+    peak = kept_bytes + profile.bytes_of(extra) + grads
+    still_read = frozenset(k for k in held | keeps if profile.last_read[k] >= stop)
+    return SegmentEffect(still_read, kept_bytes, peak)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    saved_bytes: int  # kept for backward at the end of forward
+    forward_peak: int
+    backward_peak: int
+    recompute_flops: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_peak, self.backward_peak)
+
+
+def segments(n_steps: int, regions: Sequence[Region]) -> list[Region | int]:
+    """The plan as forward-ordered segments: plain step positions and regions."""
+    by_start = {r.start: r for r in regions}
+    out, p = [], 0
+    while p < n_steps:
+        r = by_start.get(p)
+        out.append(r if r is not None else p)
+        p = r.stop if r is not None else p + 1
+    return out
+
+
+def estimate(profile: StepProfile, regions: Sequence[Region] = ()) -> Estimate:
+    """Saved bytes, forward and backward peak, and recomputed FLOPs of the step under `regions`."""
+    held, kept, backward_peak, kept_keys = frozenset(), 0, 0, set()
+    for seg in segments(len(profile.steps), regions):
+        effect = segment_effect(profile, held, kept, seg)
+        kept_keys |= profile.steps[seg].saved if isinstance(seg, int) else profile.region_keeps(seg)
+        held, kept, backward_peak = effect.held, effect.kept_bytes, max(backward_peak, effect.peak)
+    forward_peak, live = 0, set()
+    for p, step in enumerate(profile.steps):
+        live |= step.creates
+        forward_peak = max(forward_peak, profile.bytes_of(live))
+        live = {k for k in live if k in kept_keys or profile.last_read[k] > p}
+    flops = sum(profile.region_flops(r) for r in regions)
+    return Estimate(profile.bytes_of(kept_keys), forward_peak, backward_peak, flops)
+
+
+def _storage(val) -> Key | None:
+    return _torch_private.untyped_storage_key(val) if isinstance(val, torch.Tensor) else None
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in _torch_private.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def step_profile(gm: fx.GraphModule) -> StepProfile | None:
+    """The steps of `gm` (see module docstring), or None if its FLOPs cannot be counted on fake tensors."""
+    flops = node_flops(gm)
+    if flops is None:
+        return None
+    free = set()  # storages alive before the step: inputs, parameters, buffers
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            free |= {_storage(t) for t in _tensors(node.meta.get("val"))}
+    nbytes: dict = {}
+    position: dict[fx.Node, int] = {}
+    steps: list[Step] = []
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    needs_grad = _needs_grad(gm)
+    for p, node in enumerate(calls):
+        position[node] = p
+        creates = set()
+        for t in _tensors(node.meta.get("val")):
+            key = _storage(t)
+            if key not in free and key not in nbytes:
+                nbytes[key] = t.untyped_storage().nbytes()
+                creates.add(key)
+        reads = {_storage(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))} - free
+        saved = _saved_keys(node, gm, free, nbytes) if node in needs_grad else set()
+        creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
+        steps.append(Step(node, frozenset(creates), frozenset(reads & nbytes.keys()), frozenset(saved),
+                          flops.get(node.name, 0), flops.get(node.name, 0) > 0))
+    last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
+    for p, s in enumerate(steps):
+        for k in s.reads:
+            last_read[k] = max(last_read[k], p)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    for t in _tensors([a.meta.get("val") for a in output.all_input_nodes]):
+        if _storage(t) in last_read:
+            last_read[_storage(t)] = len(steps)
+    return StepProfile(steps, nbytes, last_read, _gradient_bytes(calls, position, len(steps), needs_grad))
+
+
+def _needs_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose output requires grad (shape propagation runs under no_grad, so it is derived here)."""
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            if any(t.requires_grad for t in _tensors(node.meta.get("val"))):
+                out.add(node)
+        elif node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(node.target).parameters()):
+            out.add(node)
+        elif any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> set:
+    """Storages kept for `node`'s backward; bytes saved beyond its inputs/output get a private key."""
+    info = saved_for_backward(node, gm)
+    tensors = [t for a in info.saved_inputs for t in _tensors(a.meta.get("val"))]
+    if info.saves_output:
+        tensors += _tensors(node.meta.get("val"))
+    keys = {_storage(t) for t in tensors} - free
+    keys = {k for k in keys if k in nbytes}
+    private = saved_bytes(node, gm) - sum(nbytes[k] for k in keys)
+    if private > 0:
+        key = ("private", node.name)
+        nbytes[key] = private
+        keys.add(key)
+    return keys
+
+
+def _gradient_bytes(calls: list[fx.Node], position: dict, n: int, needs_grad: set) -> list[int]:
+    """Per position p: bytes of the gradients of tensors crossing into and out of p (needing grad)."""
+    crossing = [0] * (n + 1)  # crossing[p]: made before p, read at or after p
+    for node in calls:
+        val = tensor_meta(node)
+        if val is None or node not in needs_grad:
+            continue
+        last = max((position.get(u, n) for u in node.users), default=position[node])
+        size = val.numel() * val.element_size()
+        for q in range(position[node] + 1, last + 1):
+            crossing[q] += size
+    return [crossing[p] + crossing[p + 1] for p in range(n)]

@@ -1,0 +1,90 @@
+"""Choose the checkpoint regions of one graph: least recomputation whose step peak fits a budget.
+
+A plan cuts the steps (call nodes in execution order) into segments: a plain step, or a
+region [start, stop) of checkpointable steps, either recomputed whole or selectively (matmul,
+conv and attention outputs saved, everything else recomputed). Walking the plan in forward
+order, `fxopt.analysis.memory.segment_effect` gives the backward peak inside each segment from
+two numbers: the bytes kept so far and which kept tensors later steps may still read (so a
+tensor saved by two nodes counts once). That makes the problem a shortest path:
+
+    label = (bytes kept, recompute cost, peak so far) at a position, keyed by the tensors held
+    extend each label by a plain step, or by every region starting there, in both variants,
+    dropping labels whose peak exceeds the budget and labels another label dominates
+    (no more bytes kept and no more cost under the same key).
+
+The last position's cheapest label is the optimal plan under this memory model (dynamic
+programming, not a greedy cut), in O(steps² × labels); it is exact while at most MAX_LABELS
+labels survive domination at a position, else an even spread of them is kept. Regions stop
+growing once what they would recompute alone exceeds the budget, and a budget the plan without
+regions already meets returns at once: nothing to recompute.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ..analysis.memory import Region, StepProfile, estimate, segment_effect
+
+
+MAX_LABELS = 12  # per position and held tensors: bounds the search at a small loss of optimality
+
+
+@dataclasses.dataclass(frozen=True)
+class _Label:
+    kept: int
+    cost: int
+    peak: int
+    regions: tuple[Region, ...]
+
+
+def _prune(labels: list[_Label], objective: str) -> list[_Label]:
+    """Labels no other label beats on (bytes kept, objective), at most MAX_LABELS spread over bytes kept."""
+    key = (lambda l: (l.kept, l.cost, l.peak)) if objective == "cost" else (lambda l: (l.kept, l.peak, l.cost))
+    best, kept = None, []
+    for label in sorted(labels, key=key):
+        score = key(label)[1:]
+        if best is None or score < best:
+            best = score
+            kept.append(label)
+    if len(kept) > MAX_LABELS:  # keep both ends and an even spread between them
+        kept = [kept[round(i * (len(kept) - 1) / (MAX_LABELS - 1))] for i in range(MAX_LABELS)]
+    return kept
+
+
+def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[bool],
+                 objective: str = "cost") -> tuple[Region, ...] | None:
+    """The plan with the least recompute cost (objective "cost") whose estimated backward peak is at
+    most `budget` bytes, or the plan with the lowest peak (objective "peak"); None if none fits."""
+    n = len(profile.steps)
+    if objective == "cost" and estimate(profile).backward_peak <= budget:
+        return ()
+    frontier: list[dict[frozenset, list[_Label]]] = [dict() for _ in range(n + 1)]
+    frontier[0][frozenset()] = [_Label(0, 0, 0, ())]
+
+    def add(at: int, held: frozenset, label: _Label) -> None:
+        frontier[at].setdefault(held, []).append(label)
+
+    for i in range(n):
+        for held, labels in frontier[i].items():
+            for label in _prune(labels, objective):
+                effect = segment_effect(profile, held, label.kept, i)
+                if effect.peak <= budget:
+                    add(i + 1, effect.held, _Label(effect.kept_bytes, label.cost, max(label.peak, effect.peak),
+                                                   label.regions))
+                for stop in range(i + 1, n + 1):
+                    if not checkpointable[stop - 1]:
+                        break
+                    whole = Region(i, stop)
+                    if label.kept + profile.bytes_of(profile.region_recomputes(whole) - held) > budget:
+                        break
+                    for region in (whole, Region(i, stop, save_counted=True)):
+                        effect = segment_effect(profile, held, label.kept, region)
+                        if effect.peak <= budget:
+                            add(stop, effect.held, _Label(effect.kept_bytes, label.cost + profile.region_cost(region),
+                                                          max(label.peak, effect.peak), label.regions + (region,)))
+        frontier[i] = {}  # done with this position
+    finals = [label for labels in frontier[n].values() for label in labels]
+    if not finals:
+        return None
+    best = min(finals, key=(lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost)))
+    return best.regions

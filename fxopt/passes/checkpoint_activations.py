@@ -1,0 +1,158 @@
+"""checkpoint_activations: recompute chosen regions in backward so one training step fits a memory budget.
+
+What it rewrites: runs of nodes chosen by a cost model move into `CheckpointedRegion`
+submodules (named `checkpointed_<first>_to_<last>`), which run under non-reentrant
+`torch.utils.checkpoint`; a region is either recomputed whole, or selectively (its matmul, conv
+and attention outputs are kept, only the cheap ops between them are recomputed)::
+
+    a = fc1(x); b = norm(a); c = gelu(b); d = drop(c); e = fc2(d); ...
+  becomes (budget 0.5 on a deep MLP)
+    checkpointed_fc1_to_drop = self.checkpointed_fc1_to_drop(x)   # selective: fc1's output kept
+    e = fc2(checkpointed_fc1_to_drop); ...
+
+How it chooses (fxopt.passes._checkpoint_plan): `memory_budget` bounds the estimated peak of the
+whole step, forward *and* backward (a fraction of the un-checkpointed step's peak, or bytes).
+The estimate (fxopt.analysis.memory) walks the plan: what stays saved, when each saved tensor
+is freed in backward, the gradients in flight, and the moment a region is recomputed next to
+everything still kept -- where the peak of a checkpointed step usually lands, and what a plan
+that only counts bytes saved at the end of forward misses. Recomputation is priced in FLOPs
+(FlopCounterMode on fake tensors), with one per element for the ops it does not count, so
+pointwise ops and normalisation are recomputed before a matmul or conv ever is. An exact
+dynamic program over region boundaries and both region kinds returns the cheapest plan under
+the budget (a √n split would ignore both the prices and where the peak lands); if no plan
+fits, the plan with the lowest estimated peak, and the report says so.
+
+Why it is safe: a recomputed region computes the same values from the same inputs; the
+non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
+same mask; parameters are shared, so gradients accumulate into the same tensors.
+
+When a node stays out of every region (reason in the report):
+  bn_training           a train-mode BatchNorm: recomputing it would update its running statistics twice
+  mutation              an in-place op: recomputing after it ran would read the mutated tensor
+  already_checkpointed  a region the user (or an earlier run) checkpointed: left as it is
+  unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
+and the whole pass is skipped when the graph already holds its regions (a second run changes
+nothing) or cannot run on fake tensors.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint
+
+from ..analysis.memory import Region, StepProfile, estimate, step_profile
+from ..analysis.ops import match_batch_norm
+from ..analysis.saved_tensors import op_name
+from ..errors import FxoptError
+from ._checkpoint_plan import plan_regions
+from ._checkpoint_region import CheckpointedRegion, extract_region
+from .base import TRAINING, Pass, PassContext, PassResult
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)?\s*$", re.IGNORECASE)
+_IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+                                 "ixor", "ilshift", "irshift", "imatmul", "setitem"})
+
+
+def parse_budget(value) -> tuple[str, float]:
+    """("fraction", f) for a float in (0, 1]; ("bytes", n) for an int or a string such as "512MB"."""
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is None or (match.group(2) or "").lower() not in _UNITS:
+            raise FxoptError(f"memory_budget {value!r} is not a size; write it like '512MB', '1.5GiB' or '300000000'")
+        size = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+        if size < 1:
+            raise FxoptError(f"memory_budget {value!r} must be at least one byte")
+        return "bytes", size
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FxoptError(f"memory_budget must be a fraction in (0, 1], an int number of bytes or a size such as "
+                         f"'512MB', got {type(value).__name__}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise FxoptError(f"memory_budget {value} bytes must be positive")
+        return "bytes", float(value)
+    if not (0.0 < value <= 1.0) or math.isnan(value):
+        raise FxoptError(f"memory_budget {value} is not a fraction in (0, 1] (give bytes as an int or '512MB')")
+    return "fraction", float(value)
+
+
+def _barrier(node: fx.Node, gm: fx.GraphModule) -> str:
+    """Why `node` may not be recomputed inside a region (see module docstring), or ""."""
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), CheckpointedRegion):
+        return "already_checkpointed"
+    if node.op == "call_function" and node.target is torch.utils.checkpoint.checkpoint:
+        return "already_checkpointed"
+    bn = match_batch_norm(node, gm)
+    if bn is not None and bn.training is not False:
+        return "bn_training"
+    name = op_name(node, gm)
+    if name is None:
+        return "unknown_op"
+    if (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_OPERATORS:
+        return "mutation"
+    return ""
+
+
+def _region_name(gm: fx.GraphModule, profile: StepProfile, region: Region) -> str:
+    first, last = profile.steps[region.start].node.name, profile.steps[region.stop - 1].node.name
+    base = f"checkpointed_{first}_to_{last}" if first != last else f"checkpointed_{first}"
+    name, k = base, 1
+    while hasattr(gm, name):
+        name, k = f"{base}_{k}", k + 1
+    return name
+
+
+class CheckpointActivations(Pass):
+    name = "checkpoint_activations"
+    summary = "Recompute cost-model-chosen regions in backward so the training step fits memory_budget."
+    modes = (TRAINING,)
+    options = {"memory_budget": (None, "peak memory of a training step: fraction of the un-checkpointed "
+                                       "peak in (0, 1], bytes as an int, or a size such as '512MB'")}
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        result = PassResult()
+        value = self.option(ctx, "memory_budget")
+        if value is None:
+            result.skipped = "no memory_budget given"
+            return result
+        kind, amount = parse_budget(value)
+        if any(isinstance(m, CheckpointedRegion) for m in gm.modules()):
+            result.skipped = "the graph already holds checkpointed regions"
+            return result
+        profile = step_profile(gm)
+        if profile is None:
+            result.skipped = "the graph cannot run on fake tensors, so its memory cannot be estimated"
+            return result
+        allowed = []
+        for step in profile.steps:
+            reason = _barrier(step.node, gm)
+            allowed.append(not reason)
+            if reason:
+                result.record("refused", step.node, reason, "kept out of every checkpointed region")
+        before = estimate(profile)
+        limit = amount * before.peak if kind == "fraction" else amount
+        regions = plan_regions(profile, limit, allowed)
+        if regions is None:
+            lowest = estimate(profile, plan_regions(profile, math.inf, allowed, objective="peak")).backward_peak
+            regions = plan_regions(profile, lowest, allowed)
+            result.record("refused", "<graph>", "budget_unreachable",
+                          f"no plan fits {limit / 1e6:.2f} MB; lowest estimated peak {lowest / 1e6:.2f} MB")
+        after = estimate(profile, regions)
+        names = []
+        for region in regions:
+            nodes = [s.node for s in profile.steps[region.start:region.stop]]
+            name = _region_name(gm, profile, region)
+            call = extract_region(gm, nodes, name, region.save_counted)
+            kind_text = "selective (matmul/conv/attention outputs kept)" if region.save_counted else "whole"
+            result.record("checkpointed", call, detail=f"{len(nodes)} nodes {nodes[0].name}..{nodes[-1].name}, "
+                                                       f"{kind_text}, recomputes {profile.region_flops(region)} FLOPs")
+            names.append(name)
+        result.figures.update(
+            budget_bytes=int(limit), regions=names, recomputed_flops=after.recompute_flops,
+            saved_bytes_before=before.saved_bytes, saved_bytes_after=after.saved_bytes,
+            peak_estimate_before=before.peak, peak_estimate_after=after.peak)
+        return result
