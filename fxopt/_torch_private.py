@@ -188,3 +188,10 @@ def make_buffers_non_persistent(gm, names) -> None:
 
     mark(gm)
     gm._register_deepcopy_hook(mark)
+
+
+def profiler_memory_events(prof) -> list[tuple[int, int]]:
+    """(time in ns, +bytes allocated / -bytes freed) of every allocator event a
+    `torch.profiler.profile(profile_memory=True)` run recorded, in time order."""
+    events = prof.profiler.kineto_results.events()
+    return sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")

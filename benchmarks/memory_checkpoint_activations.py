@@ -1,0 +1,113 @@
+"""checkpoint_activations vs eager, checkpoint_sequential and torch.compile's activation_memory_budget.
+
+One training step (forward, sum loss, backward) of a deep MLP (24 x Linear-LayerNorm-GELU-Dropout,
+width 512, batch 256), per variant: the allocator's peak (torch.profiler memory events; parameter
+gradients exist before the step, so the figure is activations + temporaries, and it sees into
+compiled code too), FLOPs (FlopCounterMode, eager variants) and the median step time.
+
+    python benchmarks/memory_checkpoint_activations.py [--repeats 5] [--compile]
+
+`--compile` adds torch.compile (Inductor) at the same budgets (20-30 s per compile on CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from tabulate import tabulate
+from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxopt
+from fxopt import _torch_private
+
+BUDGETS = (1.0, 0.5, 0.25)
+
+
+def deep_mlp(depth: int = 24, width: int = 512, p: float = 0.1) -> torch.nn.Sequential:
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU(), torch.nn.Dropout(p)]
+    return torch.nn.Sequential(*layers)
+
+
+def _step(forward, inputs: tuple) -> None:
+    forward(*inputs).sum().backward()
+
+
+def allocator_peak(model: torch.nn.Module, inputs: tuple, forward=None) -> int:
+    """Peak bytes allocated and alive at once during one training step (after one warm-up step)."""
+    forward = forward or model
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # gradients accumulate in place: not counted as step memory
+    _step(forward, inputs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        _step(forward, inputs)
+    model.zero_grad(set_to_none=True)
+    live = peak = 0
+    for _, nbytes in _torch_private.profiler_memory_events(prof):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _flops(forward, inputs: tuple) -> int:
+    with FlopCounterMode(display=False) as counter:
+        _step(forward, inputs)
+    return counter.get_total_flops()
+
+
+def _median_seconds(forward, inputs: tuple, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _step(forward, inputs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _variants(model, inputs, compile_too: bool):
+    yield "eager", model, model
+    for budget in BUDGETS:
+        opt = fxopt.optimize(model, inputs, mode="training", passes=["checkpoint_activations"], memory_budget=budget)
+        yield f"fxopt budget {budget}", opt, opt
+    for segments in (2, 4):
+        yield (f"checkpoint_sequential {segments}", model,
+               lambda x, s=segments: checkpoint_sequential(model, s, x, use_reentrant=False))
+    if compile_too:
+        for budget in (None, *BUDGETS):
+            torch._dynamo.reset()  # noqa: SLF001 - each budget needs its own compile
+            with _torch_private.activation_memory_budget(budget):
+                compiled = torch.compile(model)
+                _step(compiled, inputs)  # compile now, under this budget
+            yield f"torch.compile budget {budget if budget is not None else 'default'}", model, compiled
+
+
+def run(repeats: int, compile_too: bool = False) -> list[dict]:
+    torch.manual_seed(0)
+    model, inputs = deep_mlp(), (torch.randn(256, 512),)
+    rows, eager = [], None
+    for name, owner, forward in _variants(model, inputs, compile_too):
+        peak = allocator_peak(owner, inputs, forward)
+        flops = _flops(forward, inputs) if not name.startswith("torch.compile") else None
+        seconds = _median_seconds(forward, inputs, repeats)
+        owner.zero_grad(set_to_none=True)
+        eager = eager or (peak, flops, seconds)
+        rows.append({"variant": name, "peak MB": peak / 1e6, "peak / eager": peak / eager[0],
+                     "FLOPs / eager": flops / eager[1] if flops is not None else "-",
+                     "step ms": seconds * 1e3, "time / eager": seconds / eager[2]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="add torch.compile with activation_memory_budget")
+    args = parser.parse_args()
+    print(tabulate(run(args.repeats, args.compile), headers="keys", floatfmt=".3g"))
+
+
+if __name__ == "__main__":
+    main()

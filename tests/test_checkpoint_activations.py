@@ -1,0 +1,218 @@
+"""checkpoint_activations: same training step, a measured peak under the budget, monotonic in it."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+import fxopt
+from equivalence import assert_same_step
+from fxopt.passes.base import PassContext
+from fxopt.passes.checkpoint_activations import CheckpointActivations
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "benchmarks"))
+from memory_checkpoint_activations import allocator_peak, deep_mlp  # noqa: E402
+
+
+def _optimize(model, inputs, budget):
+    return fxopt.optimize(model, inputs, mode="training", passes=["checkpoint_activations"], memory_budget=budget)
+
+
+def _regions(gm: torch.nn.Module) -> list[str]:
+    return [name for name, _ in gm.named_children() if name.startswith("checkpointed_")]
+
+
+class ResBlock(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(y)))
+
+
+def conv_net():
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                               ResBlock(8), ResBlock(8), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(8, 10))
+
+
+class TransformerBlock(torch.nn.Module):
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = self.drop(torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1))
+        x = x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+def test_mlp_step_is_unchanged():
+    """Deep MLP with dropout and LayerNorm: outputs, every gradient equal; dropout recomputes the same mask."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=6, width=64), torch.randn(32, 64)
+    opt = _optimize(model, (x,), 0.3)
+    assert _regions(opt) and "checkpointed_" in opt.code
+    assert_same_step(model, opt, (x,), training=True)
+
+
+def test_conv_net_with_train_bn_is_unchanged():
+    """Train-mode BatchNorm stays out of regions, so running stats update once and gradients match."""
+    torch.manual_seed(0)
+    model, x = conv_net(), torch.randn(4, 3, 16, 16)
+    opt = _optimize(model, (x,), 0.3)
+    report = opt.fxopt_report["checkpoint_activations"]
+    assert report.stats["refused_bn_training"] == 5
+    for name in _regions(opt):
+        assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in getattr(opt, name).modules())
+    assert_same_step(model, opt, (x,), training=True)
+
+
+def test_transformer_block_is_unchanged():
+    """Attention with dropout, residuals and an MLP: same outputs and gradients with regions in place."""
+    torch.manual_seed(0)
+    model, x = TransformerBlock(), torch.randn(4, 16, 32)
+    opt = _optimize(model, (x,), 0.4)
+    assert _regions(opt)
+    assert_same_step(model, opt, (x,), training=True)
+
+
+def test_measured_peak_honours_budget_and_falls_with_it():
+    """The allocator's peak stays under the budget (10% slack for the estimate) and never rises as the budget falls."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=8, width=128), torch.randn(64, 128)
+    eager = allocator_peak(model, (x,))
+    peaks = []
+    for budget in (1.0, 0.75, 0.5, 0.25, 0.1):
+        opt = _optimize(model, (x,), budget)
+        peak = allocator_peak(opt, (x,))
+        if not opt.fxopt_report["checkpoint_activations"].stats["refused_budget_unreachable"]:
+            assert peak <= 1.1 * budget * eager, (budget, peak / eager)
+        peaks.append(peak)
+    assert all(b <= a for a, b in zip(peaks, peaks[1:])), [p / eager for p in peaks]
+    assert peaks[-1] < 0.5 * eager
+
+
+def test_estimates_match_measurement():
+    """The step-peak model is within 20% of the allocator's peak, before and after checkpointing."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=8, width=128), torch.randn(64, 128)
+    opt = _optimize(model, (x,), 0.4)
+    figures = opt.fxopt_report["checkpoint_activations"].figures
+    assert figures["peak_estimate_before"] == pytest.approx(allocator_peak(model, (x,)), rel=0.2)
+    assert figures["peak_estimate_after"] == pytest.approx(allocator_peak(opt, (x,)), rel=0.2)
+
+
+def test_report_figures():
+    """The report gives saved bytes before/after, recomputed FLOPs and the regions it made."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=4, width=64), torch.randn(32, 64)
+    opt = _optimize(model, (x,), 0.5)
+    report = opt.fxopt_report["checkpoint_activations"]
+    figures = report.figures
+    assert figures["saved_bytes_after"] < figures["saved_bytes_before"]
+    assert figures["peak_estimate_after"] <= figures["budget_bytes"] < figures["peak_estimate_before"]
+    assert figures["regions"] == _regions(opt)
+    assert report.stats["checkpointed"] == len(figures["regions"])
+    assert figures["recomputed_flops"] >= 0
+
+
+def test_full_budget_recomputes_nothing():
+    """Budget 1.0 is met by the graph as it is: no region."""
+    model, x = deep_mlp(depth=4, width=64), torch.randn(32, 64)
+    assert not _regions(_optimize(model, (x,), 1.0))
+
+
+def test_second_run_changes_nothing():
+    """Idempotence: a graph holding its regions is left alone by a second run."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=4, width=64), torch.randn(32, 64)
+    opt = _optimize(model, (x,), 0.3)
+    code = opt.code
+    result = CheckpointActivations().run(opt, PassContext("training", {"memory_budget": 0.3}))
+    assert not result.changed and result.skipped
+    assert opt.code == code
+
+
+def test_mutation_stays_outside_regions():
+    """An in-place op is never recomputed: rerunning it would read the tensor it already changed."""
+    class Mutating(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.a(torch.tanh(x))
+            h.mul_(2)
+            return self.b(torch.tanh(h))
+
+    torch.manual_seed(0)
+    model, x = Mutating(), torch.randn(32, 64)
+    opt = _optimize(model, (x,), 0.2)
+    assert opt.fxopt_report["checkpoint_activations"].stats["refused_mutation"] == 1
+    assert "mul_" in opt.code  # still in the parent graph, not inside a region
+    assert_same_step(model, opt, (x,), training=True)
+
+
+def _scale(x):
+    return x * 2
+
+
+fx.wrap("_scale")
+
+
+def test_unknown_call_stays_outside_regions():
+    """A call fxopt cannot see into may mutate state or draw random numbers: never recomputed."""
+    class Opaque(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.a(torch.tanh(_scale(torch.tanh(x))))
+
+    model, x = Opaque(), torch.randn(32, 64)
+    opt = _optimize(model, (x,), 0.2)
+    assert opt.fxopt_report["checkpoint_activations"].stats["refused_unknown_op"] == 1
+    assert "_scale" in opt.code
+
+
+@pytest.mark.parametrize("budget", [0.0, 1.5, -3, float("nan"), True, "lots", "0MB", "12 parsecs", [0.5]])
+def test_bad_budget_is_a_clear_error(budget):
+    """Out-of-range or malformed budgets raise FxoptError naming memory_budget."""
+    model, x = deep_mlp(depth=2, width=16), torch.randn(4, 16)
+    with pytest.raises(fxopt.FxoptError, match="memory_budget"):
+        _optimize(model, (x,), budget)
+
+
+@pytest.mark.parametrize("budget", [200_000, "200KB", "0.2MiB"])
+def test_absolute_budget(budget):
+    """An absolute size bounds the estimated peak in bytes."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=6, width=64), torch.randn(32, 64)
+    figures = _optimize(model, (x,), budget).fxopt_report["checkpoint_activations"].figures
+    assert figures["budget_bytes"] in (200_000, 209_715)
+    assert figures["peak_estimate_after"] <= figures["budget_bytes"]
+
+
+def test_default_training_pipeline_runs_it_only_with_a_budget():
+    """Without memory_budget the default training pipeline does not checkpoint; with one it does."""
+    model, x = deep_mlp(depth=4, width=64), torch.randn(32, 64)
+    plain = fxopt.optimize(model, (x,), mode="training")
+    assert "checkpoint_activations" not in [p.name for p in plain.fxopt_report.passes]
+    budgeted = fxopt.optimize(model, (x,), mode="training", memory_budget=0.3)
+    assert budgeted.fxopt_report["checkpoint_activations"].changed
