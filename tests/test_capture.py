@@ -215,6 +215,39 @@ def test_specialized_child_inside_an_opaque_parent():
         assert_same_step(model, optimized, inputs, training=False)
 
 
+class ReadsTrainingFlag(nn.Module):
+    """Tracing bakes `self.training` into the graph as a constant argument of F.dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = conv_bn(3, 3)
+
+    def forward(self, x):
+        return nn.functional.dropout(self.body(x), 0.5, self.training)
+
+
+def test_graph_that_baked_the_training_flag_is_not_used_in_the_other_mode():
+    """Optimized for training, then switched to eval (a validation loop): the result must not keep dropping out."""
+    torch.manual_seed(0)
+    model = ReadsTrainingFlag().train()
+    x = torch.randn(2, 3, 8, 8)
+    optimized = fxopt.optimize(model, (x,), mode="training")
+    assert isinstance(optimized, SpecializedCall) and optimized.traced_training is True
+    optimized.eval()
+    assert not optimized.matches({"x": x})
+    torch.testing.assert_close(optimized(x), copy.deepcopy(model).eval()(x))
+    optimized.train()
+    assert optimized.matches({"x": x})
+    assert_same_step(model.train(), optimized, (x,), training=True)
+
+
+def test_graph_independent_of_the_training_flag_stays_a_graph_module():
+    """Layers that read their own flag at run time (BatchNorm, Dropout modules) need no guard."""
+    model = nn.Sequential(conv_bn(3, 4), nn.Dropout(0.5)).train()
+    optimized = fxopt.optimize(model, (torch.randn(2, 3, 8, 8),), mode="training")
+    assert isinstance(optimized, fx.GraphModule)
+
+
 def test_failing_module_is_named_when_the_model_rejects_the_inputs():
     """A shape the model rejects names the module that failed and the shapes it was given."""
     model = nn.Sequential(conv_bn(3, 4), nn.Flatten(), nn.Linear(4 * 8 * 8, 2))

@@ -18,7 +18,7 @@ import torch.fx as fx
 from ..errors import FxoptError
 from .. import _torch_private
 from .specialized import SpecializedCall, is_specializable, tensor_spec
-from .state import record_submodule_calls
+from .state import flipped_mode, record_submodule_calls
 from .tracer import OpaqueModule, trace_with_opaque_leaves
 
 __all__ = ["Capture", "CapturedGraph", "OpaqueModule", "capture"]
@@ -134,6 +134,16 @@ def _keep_plain_attributes(original: torch.nn.Module, gm: fx.GraphModule) -> Non
     _torch_private.preserve_graph_module_attributes(gm, attributes)
 
 
+def _depends_on_training_flag(module: torch.nn.Module, call: _BoundCall, example_call: tuple, gm: fx.GraphModule) -> bool:
+    """Whether tracing baked `self.training` into `gm` (`F.dropout(x, p, self.training)`): the other mode traces differently.
+
+    Such a graph must not run after the caller switches the result to the other mode.
+    """
+    with flipped_mode(module):
+        other = trace_with_opaque_leaves(module, concrete_args=call.concrete_args or None, example_call=example_call)
+    return other.gm is None or other.gm.code != gm.code
+
+
 def _is_torch_leaf(module: torch.nn.Module) -> bool:
     """A torch.nn layer without children (Conv2d, ReLU, ...): alone in a graph there is nothing to optimize."""
     return fx.Tracer().is_leaf_module(module, "") and not any(True for _ in module.children())
@@ -159,6 +169,7 @@ class _Capturer:
             self.opaque.append(dataclasses.replace(traced.opaque[0], path=path))
             return self.capture_children(module, path)
         gm = traced.gm
+        mode_bound = _depends_on_training_flag(module, call, (args, kwargs), gm)
         _carry_unused_state(module, gm)
         _match_order(module, gm)
         _match_persistence(module, gm)
@@ -175,7 +186,9 @@ class _Capturer:
         if traced.shape_specialized:
             bound = inspect.signature(module.forward).bind(*args, **kwargs)
             specs = {name: tensor_spec(v) for name, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
-        return SpecializedCall(gm, module, call.fixed, specs) if call.fixed or specs else gm
+        if call.fixed or specs or mode_bound:
+            return SpecializedCall(gm, module, call.fixed, specs, module.training if mode_bound else None)
+        return gm
 
     def capture_children(self, module: torch.nn.Module, path: str) -> torch.nn.Module:
         """A shallow copy of `module` whose called children are captured (or `module` if none was)."""

@@ -3,8 +3,9 @@
 Hugging Face blocks are called with flags (`output_hidden_states=False`, `return_dict=True`,
 `attention_mask=None`), and shape-specialized tracing (see `tracer.py`) bakes the example's
 shapes and dtypes into the graph. `SpecializedCall` runs the graph only when a call passes the
-same flag values and tensors of the same shapes and dtypes, and otherwise runs the original
-module, so a later call with other flags or shapes is still correct (just not optimized) rather
+same flag values and tensors of the same shapes and dtypes — and, when tracing baked in a
+`self.training` check, in the same train/eval mode — and otherwise runs the original module,
+so a later call with other flags, shapes or mode is still correct (just not optimized) rather
 than an assertion error or a wrong result.
 
 It exposes the graph's parameters, buffers and submodules as its own (the same dicts), so
@@ -41,7 +42,7 @@ class SpecializedCall(torch.nn.Module):
     """Run `graph_module` if the call matches what it was traced for, else `original` (see module docstring)."""
 
     def __init__(self, graph_module: fx.GraphModule, original: torch.nn.Module, specialized: dict[str, Any],
-                 tensor_specs: dict[str, tuple] | None = None):
+                 tensor_specs: dict[str, tuple] | None = None, traced_training: bool | None = None):
         super().__init__()
         # Share (not copy) the graph's state so keys and devices stay those of the original module.
         self.__dict__.update(_parameters=graph_module._parameters, _buffers=graph_module._buffers,
@@ -53,9 +54,13 @@ class SpecializedCall(torch.nn.Module):
         self.__dict__["_signature"] = inspect.signature(original.forward)
         self.specialized = specialized
         self.tensor_specs = tensor_specs or {}
+        self.traced_training = traced_training  # the mode baked into the graph, None if it has none
+        self.training = original.training
 
     def matches(self, arguments: dict[str, Any]) -> bool:
-        """Whether a call with these bound arguments is one the graph was traced for."""
+        """Whether a call with these bound arguments, in the current mode, is one the graph was traced for."""
+        if self.traced_training is not None and self.training != self.traced_training:
+            return False
         if not all(_same(arguments[name], value) for name, value in self.specialized.items()):
             return False
         return all(isinstance(arguments[name], torch.Tensor) and tensor_spec(arguments[name]) == spec
@@ -66,4 +71,6 @@ class SpecializedCall(torch.nn.Module):
         bound.apply_defaults()
         if self.matches(bound.arguments):
             return self.graph_module(*bound.args, **bound.kwargs)
+        if self.original.training != self.training:  # the caller switched the result's mode: do what
+            self.original.train(self.training)       # the same switch would have done to the original
         return self.original(*args, **kwargs)

@@ -22,6 +22,18 @@ def preserved_state(module: torch.nn.Module):
                     b.copy_(saved[name])
 
 
+@contextlib.contextmanager
+def flipped_mode(module: torch.nn.Module):
+    """Run with `module.train(not module.training)`; every module's own flag is restored on exit."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.train(not module.training)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
 def _describe_values(values) -> str:
     """`(2, 3, 32, 32) float32` for each tensor among `values`, for error messages."""
     from ..pipeline.verify import flatten_tensors
