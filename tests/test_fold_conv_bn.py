@@ -17,6 +17,7 @@ from equivalence import assert_same_step, assert_state_unchanged, state_snapshot
 from torch.testing import FileCheck
 
 import fxopt
+from fxopt.analysis.shapes import propagate_shapes
 from fxopt.measure import measure_saved_bytes
 from fxopt.passes.base import PassContext
 from fxopt.passes.fold_conv_bn import FoldConvBN
@@ -225,6 +226,23 @@ def test_dynamo_graph_folds_as_graph_ops_that_follow_parameter_updates(mode):
         model[1].running_mean.add_(1.0)
         model[5].weight.mul_(3.0)
     compare()
+
+
+def test_graph_for_torch_compile_folds_as_graph_ops_even_on_attributes():
+    """A graph handed on to torch.compile keeps the fold as ops, so later parameter updates are never stale."""
+    torch.manual_seed(0)
+    model = randomize(nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6))).eval()
+    gm = torch.fx.symbolic_trace(model)  # shares the conv and BN modules with `model`
+    x = torch.randn(2, 3, 7, 7)
+    propagate_shapes(gm, (x,))
+    result = FoldConvBN().run(gm, PassContext("inference", frontend="backend"))
+    gm.recompile()
+    assert dict(result.stats) == {"folded": 1}
+    FileCheck().check("folded_conv_bn_params(").check("conv2d(").check_not("batch_norm(").run(gm.code)
+    with torch.no_grad():
+        model[0].weight.mul_(-2.0)
+        model[1].running_var.mul_(3.0)
+    torch.testing.assert_close(gm(x), model(x), rtol=1e-4, atol=1e-4)
 
 
 def test_dynamo_placeholder_not_named_constant_is_refused():

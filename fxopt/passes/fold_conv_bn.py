@@ -18,8 +18,9 @@ the composition is the same convolution with scaled weights; the only difference
 rounding. Nothing is mutated: every site gets its own folded tensors, so one conv module
 called at several sites (where torch.fx's `fuse` silently reuses the first fold) stays right.
 
-Where the weights are plain constants (inference, module form) the folded tensors are computed
-once and stored on the GraphModule. Otherwise the fold is emitted as graph ops
+Where the weights are plain constants (inference through `fxopt.optimize`, module or get_attr
+form) the folded tensors are computed once and stored on the GraphModule. Otherwise (training,
+parameters as graph inputs, or any graph handed on to torch.compile) the fold is emitted as graph ops
 (`folded_conv_bn_params`): in training with a frozen (eval-mode) BN, gradients still reach
 the conv weight and the BN affine parameters, and the BN input is no longer saved for backward
 ("Efficient ConvBN Blocks", arXiv 2305.11624); under torch.compile the parameters are graph
@@ -112,7 +113,7 @@ class FoldConvBN(Pass):
             if reason:
                 result.record("refused", node, reason, detail)
                 continue
-            self._fold(gm, layer, bn, precompute=ctx.mode == "inference")
+            self._fold(gm, layer, bn, precompute=ctx.mode == "inference" and ctx.frontend == "api")
             result.record("folded", node, detail=f"{layer.node.name} + {node.name}")
         if result.changed and ctx.mode == "inference":
             gm.delete_all_unused_submodules()
