@@ -285,6 +285,22 @@ def test_unfreezing_after_optimize_still_gives_weight_gradients():
     assert_same_step(model, opt, (X_IMG,), training=True)
 
 
+def test_frozen_conv_on_the_torch_compile_path():
+    """As a torch.compile backend (parameters are graph inputs) the frozen convs are found and grads match."""
+    model = frozen_middle()
+    reports = []
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, backend="fxopt", options={"inner": "aot_eager", "report": reports.append})
+    torch.testing.assert_close(compiled(X_IMG), model(X_IMG))
+    compiled(X_IMG).sum().backward()
+    model(X_IMG).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert reports[0]["prune_dead_grads"].stats["frozen_conv"] == 2
+
+
 def test_frozen_backbone_needs_no_rewrite():
     """A frozen backbone at the input is not recorded at all: nothing to rewrite, step unchanged."""
     torch.manual_seed(0)

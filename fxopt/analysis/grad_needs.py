@@ -32,10 +32,9 @@ import torch.fx as fx
 from .. import _torch_private
 from .saved_tensors import SavedForBackward
 from .shapes import tensor_meta
-from .side_effects import MUTATION, OPAQUE, effects
+from .side_effects import MUTATION, OPAQUE, WITHOUT_GRAD_WRAPPER, effects, qualified_name
 
 _CALLS = ("call_function", "call_method", "call_module")
-_RUNS_WITHOUT_GRAD = "fxopt.passes._frozen_ops.call_without_grad"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +67,15 @@ def _differentiable_value(node: fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values)
 
 
+def _placeholder_requires_grad(node: fx.Node) -> bool:
+    """Whether a graph input requires grad, as its example did (Dynamo's `example_value` first); unknown: True."""
+    for key in ("example_value", "val"):
+        val = node.meta.get(key)
+        if isinstance(val, torch.Tensor):
+            return val.requires_grad
+    return not any(key in node.meta for key in ("example_value", "val"))
+
+
 def _trainable_params(node: fx.Node, gm: fx.GraphModule, constant_inputs: frozenset[str]) -> list[str]:
     """Qualified names of the trainable parameters a node reads directly."""
     if node.op == "get_attr":
@@ -77,8 +85,7 @@ def _trainable_params(node: fx.Node, gm: fx.GraphModule, constant_inputs: frozen
         module = gm.get_submodule(node.target)
         return [f"{node.target}.{name}" for name, p in module.named_parameters() if p.requires_grad]
     if node.op == "placeholder" and node.name in constant_inputs:
-        val = tensor_meta(node)
-        return [node.name] if val is None or val.requires_grad else []
+        return [node.name] if _placeholder_requires_grad(node) else []
     return []
 
 
@@ -86,23 +93,18 @@ def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str]) -> set[f
     result: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            val = tensor_meta(node)
-            needs = val.requires_grad if val is not None else "val" not in node.meta
+            needs = _placeholder_requires_grad(node)
         elif node.op == "get_attr":
             needs = bool(_trainable_params(node, gm, constant_inputs))
         elif node.op in _CALLS:
             reads = any(n in result for n in node.all_input_nodes) or bool(_trainable_params(node, gm, constant_inputs))
-            silent = node.target == "detach" or _qualified(node.target) == _RUNS_WITHOUT_GRAD
+            silent = node.target == "detach" or qualified_name(node.target) == WITHOUT_GRAD_WRAPPER
             needs = reads and not silent and _differentiable_value(node)
         else:
             needs = False
         if needs:
             result.add(node)
     return result
-
-
-def _qualified(fn) -> str:
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
 
 
 def _grad_live(gm: fx.GraphModule, differentiated: Collection[fx.Node]) -> set[fx.Node]:

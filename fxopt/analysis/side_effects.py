@@ -43,7 +43,7 @@ _RANDOM_WHEN_TRAINING = {
 }
 _RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_", "geometric_",
                    "cauchy_", "log_normal_", "bernoulli_"}
-_IO_FUNCTIONS = {builtins.print, torch._assert, torch.manual_seed, torch.set_grad_enabled}
+_IO_FUNCTIONS = {builtins.print, torch.manual_seed, torch.set_grad_enabled}  # asserts: fx_is_impure
 _MUTATING_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
                        operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
                        operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
@@ -54,13 +54,14 @@ _PURE_FXOPT_FUNCTIONS = {"fxopt.passes.fold_conv_bn.folded_conv_bn_params",
                          "fxopt.passes._frozen_ops.eval_batch_norm_scale_shift",
                          "fxopt.passes._frozen_ops.conv_saving_what_grads_need",
                          "fxopt.passes._frozen_ops.relu_saving_mask"}
-# fxopt's wrappers that run another callable (their first argument): they have its effects.
-_WRAPPER_FUNCTIONS = {"fxopt.passes._frozen_ops.call_without_grad"}
-_NORM_MODULES = (torch.nn.modules.batchnorm._NormBase,)
-_DROPOUT_MODULES = (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)
+# fxopt's wrapper that runs another callable (its first argument) without grad: it has its effects.
+WITHOUT_GRAD_WRAPPER = "fxopt.passes._frozen_ops.call_without_grad"
+_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+                    torch.nn.FeatureAlphaDropout, torch.nn.RReLU)
 
 
-def _qualified(fn) -> str:
+def qualified_name(fn) -> str:
+    """`module.qualname` of a callable (how fxopt names its own helpers without importing them)."""
     return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
 
 
@@ -74,14 +75,14 @@ def _bound_flag(fn, args, kwargs, name: str, default):
 
 
 def _is_torch_callable(fn) -> bool:
-    return _qualified(fn).startswith(("torch.", "torch._C", "builtins.")) or fn in vars(builtins).values()
+    return qualified_name(fn).startswith(("torch.", "builtins."))
 
 
 def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
     name = getattr(fn, "__name__", "")
-    if _qualified(fn) in _WRAPPER_FUNCTIONS:
+    if qualified_name(fn) == WITHOUT_GRAD_WRAPPER:
         return _wrapped_effects(args[0], args[1:], kwargs, gm)
-    if _qualified(fn) in _PURE_FXOPT_FUNCTIONS:
+    if qualified_name(fn) in _PURE_FXOPT_FUNCTIONS:
         return NO_EFFECTS
     if isinstance(fn, _torch_private.op_overload_types()):
         kinds = {MUTATION} if _torch_private.op_is_mutable(fn) else set()
@@ -147,7 +148,7 @@ def _module_effects(module: torch.nn.Module) -> frozenset[str]:
         kinds.add(MUTATION)
     if module.training and (isinstance(module, _DROPOUT_MODULES) or getattr(module, "dropout", 0) not in (0, 0.0)):
         kinds.add(RNG)
-    if isinstance(module, _NORM_MODULES) and module.training and module.track_running_stats:
+    if module.training and getattr(module, "track_running_stats", False) and module.running_mean is not None:
         kinds.add(STATS)
     return frozenset(kinds)
 

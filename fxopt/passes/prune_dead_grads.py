@@ -65,6 +65,7 @@ from ..errors import FxoptError
 from ._frozen_ops import call_without_grad, conv_saving_what_grads_need, eval_batch_norm_scale_shift
 from .base import INFERENCE, Pass, PassContext, PassResult
 
+
 def parse_differentiable_outputs(value) -> tuple | None:
     """None, or a tuple of output indices (ints) or of dict keys (strs); anything else is an FxoptError."""
     if value is None:
@@ -95,7 +96,7 @@ def entries_of(out) -> dict[Hashable, object]:
 
 def chosen_outputs(entries: dict, selection: tuple) -> set:
     """The keys of `entries` that `selection` (parsed differentiable_outputs) names; bad names: FxoptError."""
-    keyed = all(isinstance(k, str) for k in entries) and entries
+    keyed = bool(entries) and all(isinstance(k, str) for k in entries)
     for item in selection:
         if isinstance(item, str) and not keyed:
             raise FxoptError(f"differentiable_outputs names key {item!r}, but the model returns "
