@@ -123,13 +123,15 @@ def inductor_compile(gm, example_inputs, freezing: bool = False):
 
 
 def aot_eager_compile(gm, example_inputs):
-    """AOTAutograd with the min-cut partitioner and no code generation (a debugging hand-off
-    that still partitions forward/backward the way Inductor's does)."""
+    """AOTAutograd with Inductor's decompositions and min-cut partitioner, and no code generation:
+    a debugging hand-off that traces and partitions forward/backward the way Inductor's does."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.compilers import nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
 
-    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition)
+    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition,
+                           decompositions=select_decomp_table())
     return backend(gm, example_inputs)
 
 

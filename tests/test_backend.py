@@ -278,6 +278,18 @@ def test_memory_budget_drives_the_partitioner_and_keeps_gradients():
     assert "activation_memory_budget" in backend.reports[0]["checkpoint_activations"].skipped
 
 
+def test_memory_budget_with_train_mode_batch_norm_matches_eager():
+    """Recomputation chosen by the partitioner keeps train-mode BN exact: grads and running stats match."""
+    ref, got = compiled_step("resnet", fxopt.backend(inner="aot_eager", memory_budget=0.5), train=True, grad=True)
+    assert_same(ref, got)
+
+
+def test_train_mode_batch_norm_without_grad_updates_running_stats():
+    """Train-mode BN under no_grad: nothing folds, and the running statistics update as in eager."""
+    ref, got = compiled_step("resnet", fxopt.backend(inner="aot_eager"), train=True, grad=False)
+    assert_same(ref, got)
+
+
 def test_autocast_matches_eager():
     """Under bfloat16 autocast the compiled network matches eager autocast (within bfloat16 rounding)."""
     original = make("resnet").eval()
@@ -327,3 +339,42 @@ def test_entry_point_registers_the_backend_without_importing_fxopt():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+class WideStack(nn.Module):
+    """Four 128-channel Conv-BN-ReLU blocks (0.6 MB per conv, so DDP makes several 1 MB buckets).
+
+    A user-defined forward: Dynamo starts no frame inside torch.nn, so a bare nn.Sequential
+    under DDP would run eagerly.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Sequential(nn.Conv2d(128, 128, 3, padding=1), nn.BatchNorm2d(128), nn.ReLU())
+                                    for _ in range(4)])
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_ddp_split_graphs_each_reach_the_backend(monkeypatch):
+    """Under DistributedDataParallel, Dynamo's DDP optimizer splits at 1 MB buckets; each piece is optimized."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29517")
+    torch.manual_seed(0)
+    original = WideStack().eval()
+    x = torch.randn(2, 128, 8, 8)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(copy.deepcopy(original), bucket_cap_mb=1)
+        backend = fxopt.backend(inner="aot_eager")
+        ref, got = step(original, original, x, grad=True), step(torch.compile(ddp, backend=backend), ddp.module, x,
+                                                                 grad=True)
+    finally:
+        dist.destroy_process_group()
+    assert_same(ref, got)
+    assert len(backend.reports) > 1
+    assert sum(r["fold_conv_bn"].stats["folded"] for r in backend.reports) == 4

@@ -26,11 +26,17 @@ Hand-off (`inner`):
                version; if one was replaced or changed in place, the graph falls back, for
                good, to a non-frozen compile in which the fold is recomputed per call.
                `freeze=False` compiles non-frozen from the start.
-  "aot_eager"  AOTAutograd + min-cut partitioner, no code generation (debugging).
+  "aot_eager"  AOTAutograd with Inductor's decompositions and min-cut partitioner, no code
+               generation (debugging; without the decompositions a train-mode BatchNorm under
+               a memory budget fails in backward, as with torch's own aot_eager).
   "eager"      the optimized fx graph as is (debugging).
 
-Options: passes, memory_budget, differentiable_outputs, inner, freeze, verify, report (a
-callable taking each graph's `Report`, or a path to which one JSON line per graph is appended).
+Options: passes (None: the default pipeline of the mode), memory_budget (a fraction; training
+graphs), differentiable_outputs (training graphs; passed to prune_dead_grads), inner, freeze,
+verify (compare the graph before/after each pass: outputs, input gradients, updated buffers),
+report (a callable taking each graph's `Report`, or a path to which one JSON line per graph is
+appended). Unknown or malformed options raise FxoptError (wrapped by Dynamo as
+BackendCompilerFailed when they reach it through `options=`; `fxopt.backend(...)` checks at once).
 """
 from __future__ import annotations
 

@@ -1,0 +1,76 @@
+"""torch.compile(backend="fxopt") handing off to Inductor (the default): same results as eager.
+
+Slow (each Inductor compile takes 20-30 s on CPU): deselected by default, run with `-m slow`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from test_backend import MODELS, assert_same, compiled_step, example, fresh_dynamo, make  # noqa: F401
+
+import fxopt
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_inductor_inference_matches_eager(name):
+    """Eval mode without grad (frozen parameters, guarded): same outputs and buffers as eager, every BN folded."""
+    backend = fxopt.backend()
+    ref, got = compiled_step(name, backend, train=False, grad=False)
+    assert_same(ref, got)
+    assert sum(r["fold_conv_bn"].stats["folded"] for r in backend.reports) == MODELS[name][1]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_inductor_training_step_matches_eager(name):
+    """Train mode through AOTAutograd and Inductor: outputs, gradients and BN running stats match eager."""
+    backend = fxopt.backend()
+    ref, got = compiled_step(name, backend, train=True, grad=True)
+    assert_same(ref, got)
+
+
+def test_inductor_frozen_bn_fine_tuning_matches_eager():
+    """Eval-mode BN with autograd on: the fold is graph ops in the joint graph, gradients match."""
+    ref, got = compiled_step("resnet", fxopt.backend(), train=False, grad=True)
+    assert_same(ref, got)
+
+
+def test_inductor_train_mode_batch_norm_without_grad_updates_running_stats():
+    """Frozen inference with train-mode BN: the running statistics the graph updates are not frozen."""
+    ref, got = compiled_step("resnet", fxopt.backend(), train=True, grad=False)
+    assert_same(ref, got)
+
+
+def test_inductor_memory_budget_training_step_matches_eager():
+    """memory_budget through Inductor's min-cut partitioner: the training step still matches eager."""
+    ref, got = compiled_step("resnet", fxopt.backend(memory_budget=0.5), train=True, grad=True)
+    assert_same(ref, got)
+
+
+def test_frozen_parameters_changed_after_compiling_are_never_stale():
+    """An in-place update or a new Parameter after compiling switches to the non-frozen compile, with a warning."""
+    model = make("seed").eval()
+    compiled = torch.compile(model, backend=fxopt.backend())
+    x = example()
+    with torch.no_grad():
+        assert_same({"output": model(x)}, {"output": compiled(x)})
+        model.conv1.weight.mul_(1.5)
+        model.bn1.running_var.add_(0.25)
+        with pytest.warns(UserWarning, match="parameter changed after torch.compile froze it"):
+            got = compiled(x)
+        assert_same({"output": model(x)}, {"output": got})
+        model.bn1.weight = nn.Parameter(model.bn1.weight * -1)
+        assert_same({"output": model(x)}, {"output": compiled(x)})
+
+
+def test_freeze_false_follows_parameters_without_recompiling():
+    """freeze=False: the fold runs on the parameter inputs each call, so updates need no fallback."""
+    model = make("seed").eval()
+    compiled = torch.compile(model, backend=fxopt.backend(freeze=False))
+    x = example()
+    with torch.no_grad():
+        compiled(x)
+        model.conv1.weight.mul_(1.5)
+        assert_same({"output": model(x)}, {"output": compiled(x)})
