@@ -99,7 +99,7 @@ class _BoundCall:
 
     values: tuple  # one value per placeholder, in order
     fixed: dict  # parameter name -> the non-tensor value the graph is specialized to
-    concrete_args: dict  # the same, keyed the way fx names them ("*args", "**kwargs" for empty varargs)
+    concrete_args: dict  # the same, keyed the way fx names them ("*args", "**kwargs" for varargs)
 
 
 def _bind_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> _BoundCall | str:
@@ -110,8 +110,9 @@ def _bind_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> _BoundCall
     for name, value in bound.arguments.items():
         param = bound.signature.parameters[name]
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            if value:
-                return f"takes *args/**kwargs ({name}={_short(value)})"
+            entries = value.values() if isinstance(value, dict) else value
+            if not all(is_specializable(v) for v in entries):
+                return f"takes tensors or objects through *args/**kwargs ({name}={_short(value)})"
             fixed[name] = value
             concrete[("*" if param.kind == param.VAR_POSITIONAL else "**") + name] = value
             continue

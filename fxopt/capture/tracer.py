@@ -48,37 +48,36 @@ class Traced:
     shape_specialized: bool = False
 
 
-class _NoVarKeywords(dict):
-    """The empty `**kwargs` of a traced call: a real dict, but a pytree leaf, so fx makes no placeholder."""
+class _FixedVarKeywords(dict):
+    """The fixed `**kwargs` of a traced call: a real dict, but a pytree leaf, so fx makes no placeholder."""
 
 
-class _NoVarPositionals(tuple):
-    """The empty `*args` of a traced call (see _NoVarKeywords)."""
+class _FixedVarPositionals(tuple):
+    """The fixed `*args` of a traced call (see _FixedVarKeywords)."""
 
 
 class _LocatingTracer(fx.Tracer):
     """A tracer that treats chosen modules as leaves and remembers which module a failure was in.
 
-    `concrete_args` may name empty varargs as "*args" / "**kwargs": they are passed as empty
-    containers without a placeholder (fx's own concrete_args route generates invalid code for them
-    next to specialized flags).
+    `concrete_args` may fix varargs as "*args" / "**kwargs" (non-tensor values only): they are
+    passed as they are, without a placeholder (fx's own concrete_args route generates invalid
+    code for them next to specialized flags, and cannot fix named entries of **kwargs).
     """
 
     def __init__(self, opaque_paths: set[str]):
         super().__init__()
         self.opaque_paths = opaque_paths
-        self.empty_varargs: set[str] = set()
+        self.fixed_varargs: dict[str, Any] = {}
 
     def trace(self, root, concrete_args=None):
         concrete_args = dict(concrete_args or {})
-        self.empty_varargs = {name for name in concrete_args if name.startswith("*")}
-        for name in self.empty_varargs:
-            del concrete_args[name]
+        self.fixed_varargs = {name: concrete_args.pop(name) for name in list(concrete_args) if name.startswith("*")}
         return super().trace(root, concrete_args or None)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
-        if kind == "placeholder" and target in self.empty_varargs:
-            return _NoVarKeywords() if target.startswith("**") else _NoVarPositionals()
+        if kind == "placeholder" and target in self.fixed_varargs:
+            value = self.fixed_varargs[target]
+            return _FixedVarKeywords(value) if target.startswith("**") else _FixedVarPositionals(value)
         return super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
@@ -167,7 +166,7 @@ class _ShapeTracer(_LocatingTracer):
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
-        if not isinstance(proxy, fx.Proxy):  # an empty *args / **kwargs
+        if not isinstance(proxy, fx.Proxy):  # fixed *args / **kwargs
             return proxy
         value = self._evaluate(proxy.node)
         if value is not _MISSING:
