@@ -195,6 +195,26 @@ def test_aux_head_writing_into_live_tensor_stays_recorded():
     assert "aux.0.weight" in opt.fxopt_report["prune_dead_grads"].figures["params_needing_grad"]
 
 
+class InplaceAux(AuxHead):
+    def __init__(self):
+        super().__init__()
+        self.aux = nn.Sequential(nn.Linear(32, 128), nn.ReLU(inplace=True), nn.Linear(128, 8))
+
+    def forward(self, x):
+        h = self.body(x)
+        a = self.aux(h)
+        a.mul_(2)  # in-place on the head's own output
+        return self.head(h), a
+
+
+def test_writes_inside_the_aux_head_do_not_keep_it_recorded():
+    """In-place ops on the aux head's own activations touch nothing the loss reads: the head still prunes."""
+    model = aux_model(InplaceAux)
+    opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
+    assert opt.fxopt_report["prune_dead_grads"].stats["no_grad"] == 3  # mul_ reads no recorded value
+    assert_same_declared_step(model, opt, X_VEC, {0})
+
+
 class UntraceableRoot(nn.Module):
     def __init__(self):
         super().__init__()

@@ -6,9 +6,11 @@ answers, without running anything:
   requires_grad       values autograd records when the graph runs (reach a trainable parameter or an
                       input whose example requires grad), following dtypes: integer and bool results,
                       `detach` and calls already run without grad record nothing
-  grad_live           nodes a differentiated output depends on, plus every node that writes into a
-                      tensor or runs opaque code (a mutation can carry gradient into any live value):
-                      these must stay recorded
+  grad_live           nodes a differentiated output depends on, plus every node that runs opaque
+                      code or writes into a tensor that may share storage (`aliasing.AliasInfo`)
+                      with such a node or with a graph input (the write carries gradient into
+                      it): these must stay recorded. A write inside an aux head (an in-place
+                      ReLU on the head's own activations) does not keep the head recorded
   no_grad_nodes       recorded nodes outside `grad_live` that something reads: they feed only outputs
                       nobody differentiates, so they may run under `torch.no_grad()`
   params_needing_grad / params_losing_grad / inputs_needing_grad
@@ -30,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from .aliasing import AliasInfo
 from .saved_tensors import SavedForBackward
 from .shapes import tensor_meta
 from .side_effects import MUTATION, OPAQUE, WITHOUT_GRAD_WRAPPER, effects, qualified_name
@@ -107,16 +110,32 @@ def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str]) -> set[f
     return result
 
 
-def _grad_live(gm: fx.GraphModule, differentiated: Collection[fx.Node]) -> set[fx.Node]:
-    seeds = [n for n in gm.graph.nodes if n.op in _CALLS and effects(n, gm) & {MUTATION, OPAQUE}]
-    live: set[fx.Node] = set()
-    stack = [*differentiated, *seeds]
+def _add_with_inputs(live: set[fx.Node], roots) -> None:
+    stack = list(roots)
     while stack:
         node = stack.pop()
-        if node in live:
-            continue
-        live.add(node)
-        stack.extend(node.all_input_nodes)
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+
+
+def _grad_live(gm: fx.GraphModule, differentiated: Collection[fx.Node]) -> set[fx.Node]:
+    """Nodes a differentiated output depends on, and everything that may write into one of them."""
+    kinds = {n: effects(n, gm) for n in gm.graph.nodes if n.op in _CALLS}
+    live: set[fx.Node] = set()
+    _add_with_inputs(live, [*differentiated, *(n for n, k in kinds.items() if OPAQUE in k)])
+    writers = [n for n, k in kinds.items() if MUTATION in k]
+    aliases = AliasInfo(gm) if writers else None
+    changed = True
+    while changed:  # a write into anything that may share storage with a live value (or an input) is live
+        changed = False
+        for writer in writers:
+            if writer in live:
+                continue
+            touched = [a for n in (writer, *writer.all_input_nodes) for a in aliases.aliases(n)]
+            if any(a in live or a.op in ("placeholder", "get_attr") for a in touched):
+                _add_with_inputs(live, [writer])
+                changed = True
     return live
 
 
