@@ -234,6 +234,7 @@ def test_submodule_graph_refuses_differentiable_outputs():
     report = opt.fxopt_report["prune_dead_grads"]
     assert report.stats["refused_not_model_outputs"] == 1
     assert report.stats["no_grad"] == 0
+    assert "inner.aux.0.weight" in report.figures["params_needing_grad"]  # named as in the caller's model
     assert all(t.requires_grad for t in opt(X_VEC))
 
 
@@ -515,6 +516,17 @@ def test_side_effect_classification():
     assert by_name["dropout"] == frozenset() and by_name["cat"] == frozenset()
     gm.eval()
     assert effects(next(n for n in gm.graph.nodes if n.name == "bn"), gm) == frozenset()
+
+
+def test_traced_argument_guard_survives():
+    """fx's guard that a traced-away argument is None (`_assert_is_none`) is an assert: it stays."""
+    class Guarded(nn.Module):
+        def forward(self, x, mask=None):
+            return x * 2 if mask is None else x * mask
+
+    gm = fx.symbolic_trace(Guarded(), concrete_args={"mask": None})
+    guard = next(n for n in gm.graph.nodes if "assert" in str(n.target))
+    assert effects(guard, gm) == {IO}
 
 
 def test_opaque_module_is_an_effect():

@@ -10,7 +10,9 @@ updates its running statistics. `effects(node, gm)` names every effect a node ma
   RNG       draws from the random generator (dropout in training, `torch.rand*`, `bernoulli`, ...):
             dropping it shifts every later draw
   STATS     updates buffers: BatchNorm / InstanceNorm in training with running statistics
-  IO        is seen from outside: `print`, `assert`, hooks on the module, ops torch marks effectful
+  IO        is seen from outside: `print`, asserts and checks (`torch._assert`, fx's `_assert_is_none`
+            guarding a traced-away argument, `torch._check*`), hooks on the module, ops torch
+            marks effectful
   OPAQUE    runs code we cannot see: modules outside torch.nn, user functions, overridden forwards
 
 Anything not recognised is OPAQUE, so a caller that keeps effectful nodes is sound by default.
@@ -93,7 +95,8 @@ def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> froz
         return frozenset(kinds)
     if fn in _RANDOM_FUNCTIONS:
         return frozenset({RNG})
-    if fn in _IO_FUNCTIONS or _torch_private.fx_is_impure(fn, args, kwargs):
+    if fn in _IO_FUNCTIONS or name.lstrip("_").startswith(("assert", "check")) \
+            or _torch_private.fx_is_impure(fn, args, kwargs):
         return frozenset({IO})
     if fn in _MUTATING_OPERATORS or "out" in kwargs:
         return frozenset({MUTATION})

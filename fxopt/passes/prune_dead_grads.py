@@ -330,8 +330,8 @@ class PruneDeadGrads(Pass):
 
     @staticmethod
     def _figures(needs: GradNeeds, ctx: PassContext, result: PassResult) -> None:
-        """Which parameters and inputs still need a gradient (names prefixed by the graph's path)."""
-        prefix = f"{ctx.graph_path}:" if ctx.graph_path else ""
+        """Which parameters and inputs still need a gradient, named as in the caller's model."""
+        prefix = f"{ctx.graph_path}." if ctx.graph_path else ""
         result.figures["params_needing_grad"] = [prefix + p for p in needs.params_needing_grad]
         result.figures["params_losing_grad"] = [prefix + p for p in needs.params_losing_grad]
         result.figures["inputs_needing_grad"] = [prefix + p for p in needs.inputs_needing_grad]

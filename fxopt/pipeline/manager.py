@@ -74,6 +74,9 @@ class PassManager:
             site.node = prefix + site.node
         entry.sites.extend(result.sites)
         for key, value in result.figures.items():
-            entry.figures[key] = entry.figures.get(key, 0) + value if isinstance(value, (int, float)) else value
+            if isinstance(value, (int, float, list)):  # summed, or concatenated, over the graphs
+                entry.figures[key] = entry.figures.get(key, type(value)()) + value
+            else:
+                entry.figures[key] = value
         if result.skipped:
             entry.skipped = result.skipped
