@@ -5,6 +5,12 @@ when the whole model traced, else a copy of the module tree whose traceable part
 GraphModules), each graph with the example inputs of its placeholders, and the modules that
 stayed opaque, with the reason. The caller's model is never modified: module containers on
 the way to a replaced child are shallow copies; leaf modules and parameters are shared.
+
+The model runs once first (recording each submodule's first call, and naming the module that
+fails if the inputs are rejected). Each module is then traced as called there (`tracer.py`);
+a graph valid only for some calls — fixed flag arguments, the example's shapes, the train/eval
+mode it read — is wrapped in a `SpecializedCall` that runs the original module for any other
+call. A module that cannot be traced stays opaque and its children are captured instead.
 """
 from __future__ import annotations
 
@@ -16,8 +22,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import FxoptError
-from .. import _torch_private
 from .specialized import SpecializedCall, is_specializable, tensor_spec
+from .stand_in import stand_in_for
 from .state import flipped_mode, record_submodule_calls
 from .tracer import OpaqueModule, trace_with_opaque_leaves
 
@@ -42,55 +48,6 @@ class Capture:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def _carry_unused_state(root: torch.nn.Module, gm: fx.GraphModule) -> None:
-    """Give `gm` every parameter and buffer of `root` it does not reference, so state_dict keys match."""
-    have = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-    have |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
-    for name, tensor in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
-        if name in have:
-            continue
-        *parents, attr = name.split(".")
-        src_owner, dst_owner = root, gm
-        for part in parents:
-            src_owner = getattr(src_owner, part)
-            if not hasattr(dst_owner, part):
-                dst_owner.add_module(part, torch.nn.Module())
-            dst_owner = getattr(dst_owner, part)
-        if isinstance(tensor, torch.nn.Parameter):
-            dst_owner.register_parameter(attr, tensor)
-        else:
-            dst_owner.register_buffer(attr, tensor, persistent=attr not in src_owner._non_persistent_buffers_set)
-
-
-def _match_persistence(original: torch.nn.Module, gm: fx.GraphModule) -> None:
-    """Keep out of state_dict() every buffer the caller's module keeps out, and tracing's constants (`_tensor_constant0`).
-
-    A GraphModule registers every tensor its graph reads as a persistent buffer.
-    """
-    saved = set(original.state_dict(keep_vars=True))
-    hidden = [name for name, _ in gm.named_buffers(remove_duplicate=False) if name not in saved]
-    if hidden:
-        _torch_private.make_buffers_non_persistent(gm, hidden)
-
-
-def _match_order(original: torch.nn.Module, copy_: torch.nn.Module) -> None:
-    """Order `copy_`'s children, parameters and buffers as in `original`, recursively.
-
-    A GraphModule registers submodules in the order the graph first uses them; parameters()
-    and state_dict() order must match the caller's model so optimizer state (kept by index)
-    moves between the two.
-    """
-    for slot in ("_modules", "_parameters", "_buffers"):
-        mine, theirs = getattr(copy_, slot), getattr(original, slot)
-        ordered = [k for k in theirs if k in mine] + [k for k in mine if k not in theirs]
-        reordered = {k: mine[k] for k in ordered}
-        mine.clear()
-        mine.update(reordered)
-    for name, child in copy_._modules.items():
-        if name in original._modules and child is not original._modules[name] and child is not None:
-            _match_order(original._modules[name], child)
 
 
 @dataclasses.dataclass
@@ -126,13 +83,6 @@ def _bind_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> _BoundCall
 
 def _short(value) -> str:
     return f"{{{', '.join(value)}}}" if isinstance(value, dict) else f"{len(value)} values"
-
-
-def _keep_plain_attributes(original: torch.nn.Module, gm: fx.GraphModule) -> None:
-    """Give `gm` the plain attributes of `original` (`config`, `stride`, ...) that code around it may read."""
-    attributes = {name: value for name, value in vars(original).items()
-                  if not name.startswith("_") and name != "training" and not hasattr(gm, name)}
-    _torch_private.preserve_graph_module_attributes(gm, attributes)
 
 
 def _depends_on_training_flag(module: torch.nn.Module, call: _BoundCall, example_call: tuple, gm: fx.GraphModule) -> bool:
@@ -171,10 +121,7 @@ class _Capturer:
             return self.capture_children(module, path)
         gm = traced.gm
         mode_bound = _depends_on_training_flag(module, call, (args, kwargs), gm)
-        _carry_unused_state(module, gm)
-        _match_order(module, gm)
-        _match_persistence(module, gm)
-        _keep_plain_attributes(module, gm)
+        stand_in_for(module, gm)
         self.graphs.append(CapturedGraph(path, gm, call.values))
         for leaf in traced.opaque:
             self.opaque.append(dataclasses.replace(leaf, path=_join(path, leaf.path)))
