@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from fxopt.frontends.cli import main
 from fxopt.frontends.cli_inspect import JSON_KEYS
 from fxopt.pipeline.pipelines import DEFAULT_PIPELINES
 
@@ -39,23 +40,14 @@ HAPPY = {
     "debug": ["inspect", f"{TINY}:Missing", *IMAGE, "--debug"],
 }
 
-# name -> (arguments, exit status, what the one-line message must say)
+# Each bad input the issue names, run as a subprocess: name -> (arguments, exit status, what the message says).
 BAD_INPUT = {
     "module_does_not_import": (["inspect", "fxopt_no_such_pkg.models:Net", *IMAGE], 1,
                                "cannot import 'fxopt_no_such_pkg.models': ModuleNotFoundError"),
-    "file_import_fails": (["inspect", "tests/fixtures/broken_import.py:Net", *IMAGE], 1,
-                          "No module named 'fxopt_no_such_package'"),
-    "file_missing": (["inspect", "tests/fixtures/no_such_file.py:Net", *IMAGE], 1, "no such file"),
     "attribute_missing": (["inspect", f"{TINY}:Missing", *IMAGE], 1, "has no attribute 'Missing'"),
-    "class_not_a_module": (["inspect", f"{TINY}:NotAModule", *IMAGE], 1, "is not an nn.Module subclass"),
     "value_not_a_module": (["inspect", f"{TINY}:LEARNING_RATE", *IMAGE], 1,
                            "is a float, not an nn.Module subclass, a factory function or a module instance"),
     "factory_needs_arguments": (["inspect", f"{TINY}:make_with_depth", *IMAGE], 1, "needs arguments (depth)"),
-    "class_needs_arguments": (["inspect", f"{TINY}:NeedsWidth", *IMAGE], 1, "needs arguments (width)"),
-    "factory_returns_other": (["inspect", f"{TINY}:make_list", *IMAGE], 1, "returned a list, not an nn.Module"),
-    "constructor_raises": (["inspect", f"{TINY}:ExplodingInit", *IMAGE], 1,
-                           "RuntimeError: no weights file found"),
-    "model_without_attr": (["inspect", TINY, *IMAGE], 1, "MODEL must be 'package.module:attr'"),
     "malformed_shape": (["inspect", f"{TINY}:TinyConvNet", "--input-shape", "2xQx32"], 1,
                         "malformed --input-shape '2xQx32'"),
     "shape_rejected": (["inspect", f"{TINY}:TinyConvNet", "--input-shape", "2x3x16x16"], 1,
@@ -69,6 +61,20 @@ BAD_INPUT = {
     "unknown_mode": (["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--mode", "fast"], 2, "invalid choice: 'fast'"),
     "bench_shape_rejected": (["bench", f"{TINY}:TinyConvNet", "--input-shape", "2x3x16x16"], 1,
                              "the model rejects inputs 2x3x16x16"),
+}
+
+# More ways to give MODEL wrong, through `main()` in this process (the same code path, without
+# paying a torch import each): name -> (arguments, what the message says).
+MORE_BAD_MODELS = {
+    "file_import_fails": (["inspect", "tests/fixtures/broken_import.py:Net", *IMAGE],
+                          "No module named 'fxopt_no_such_package'"),
+    "file_missing": (["inspect", "tests/fixtures/no_such_file.py:Net", *IMAGE], "no such file"),
+    "class_not_a_module": (["inspect", f"{TINY}:NotAModule", *IMAGE], "is not an nn.Module subclass"),
+    "class_needs_arguments": (["inspect", f"{TINY}:NeedsWidth", *IMAGE], "needs arguments (width)"),
+    "factory_returns_other": (["inspect", f"{TINY}:make_list", *IMAGE], "returned a list, not an nn.Module"),
+    "constructor_raises": (["inspect", f"{TINY}:ExplodingInit", *IMAGE], "RuntimeError: no weights file found"),
+    "model_without_attr": (["inspect", TINY, *IMAGE], "MODEL must be 'package.module:attr'"),
+    "no_passes": (["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--passes", ","], "--passes needs at least one"),
 }
 
 
@@ -219,6 +225,17 @@ def test_debug_shows_traceback(runs):
     result = runs["debug"]
     assert result.returncode != 0
     assert "Traceback" in result.stderr and "FxoptError" in result.stderr
+
+
+@pytest.mark.parametrize("case", list(MORE_BAD_MODELS))
+def test_more_bad_models_in_process(case, capsys, monkeypatch):
+    """Each of these exits 1 with one line saying what is wrong with MODEL (checked through `main`)."""
+    args, message = MORE_BAD_MODELS[case]
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # loading a model file puts its folder on sys.path
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
 @pytest.mark.skipif(shutil.which("fxopt") is None, reason="the fxopt console script is not installed")

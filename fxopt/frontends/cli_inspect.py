@@ -185,6 +185,8 @@ class InspectResult:
             rows = [[o.path or "<model>", o.type, o.reason] for o in self.report.opaque]
             lines += ["", "Opaque modules (run unchanged; their children may still be optimized):",
                       tabulate(rows, headers=["module", "type", "why"])]
+        if self.report.opaque:
+            lines += ["", "(estimates cover the captured graphs; code that stayed opaque outside them is not counted)"]
         if self.costs.stages[0] is None:
             lines += ["", "(? : the estimate needs a run on fake tensors, which this model's code does not allow)"]
         lines += ["", self.summary_line()]
