@@ -61,7 +61,8 @@ def estimate_costs(gm: fx.GraphModule, example_inputs: tuple, training: bool) ->
         return t
 
     try:
-        with mode, FlopCounterMode(display=False) as counter, torch.set_grad_enabled(training):
+        with torch.random.fork_rng(devices=[]), mode, FlopCounterMode(display=False) as counter, \
+                torch.set_grad_enabled(training):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outputs = torch.func.functional_call(gm, state, inputs)
             differentiable = [o for o in flatten_tensors(outputs) if o.requires_grad]

@@ -125,7 +125,8 @@ def load_model(spec: str) -> torch.nn.Module:
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            hint = ", ".join(_candidates(module)) or "none"
+            names = _candidates(module)
+            hint = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "") or "none"
             raise FxoptError(f"{target!r} has no attribute {attr!r} (models and factories there: {hint})")
         obj = getattr(obj, part)
     return _instantiate(obj, spec)

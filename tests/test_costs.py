@@ -1,0 +1,64 @@
+"""fxopt.analysis.costs: fake-tensor estimates agree with real measurements and touch nothing."""
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxopt.analysis.costs import estimate_costs, placeholder_values
+from fxopt.analysis.shapes import propagate_shapes
+from fxopt.measure import measure_saved_bytes
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(),
+                         nn.Linear(8 * 6 * 6, 10))
+
+
+def test_training_estimate_matches_real_step():
+    """Training FLOPs equal FlopCounterMode on a real forward+backward; saved bytes equal measure_saved_bytes."""
+    model, x = _net().train(), torch.randn(4, 3, 8, 8)
+    gm = fx.symbolic_trace(model)
+    costs = estimate_costs(gm, (x,), training=True)
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    assert costs.flops == counter.get_total_flops() > 0
+    assert costs.saved_bytes == measure_saved_bytes(lambda: model(x), model) > 0
+
+
+def test_inference_estimate_is_forward_only():
+    """Inference counts forward FLOPs and reports no saved bytes."""
+    model, x = _net().eval(), torch.randn(4, 3, 8, 8)
+    costs = estimate_costs(fx.symbolic_trace(model), (x,), training=False)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(x)
+    assert costs.flops == counter.get_total_flops() and costs.saved_bytes is None
+
+
+def test_estimate_touches_nothing():
+    """Estimating never changes parameters, gradients, BatchNorm statistics or the RNG stream."""
+    model, x = _net().train(), torch.randn(4, 3, 8, 8)
+    gm = fx.symbolic_trace(model)
+    propagate_shapes(gm, (x,))
+    state = {k: v.clone() for k, v in gm.state_dict().items()}
+    rng = torch.get_rng_state()
+    assert estimate_costs(gm, placeholder_values(gm), training=True) is not None
+    assert all(torch.equal(state[k], v) for k, v in gm.state_dict().items())
+    assert all(p.grad is None for p in gm.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+class _Branch(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x
+
+
+class _LeafTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _Branch) or super().is_leaf_module(m, qualname)
+
+
+def test_data_dependent_graph_has_no_estimate():
+    """A graph whose opaque leaf branches on tensor values cannot run on fake tensors: the estimate is None."""
+    model = nn.Sequential(nn.Linear(3, 3), _Branch())
+    gm = fx.GraphModule(model, _LeafTracer().trace(model))
+    assert estimate_costs(gm, (torch.randn(2, 3),), training=True) is None
