@@ -96,7 +96,7 @@ class MobileNetV2(nn.Module):
 def calibrate(model: nn.Module, shape: tuple[int, ...], batches: int = 2) -> nn.Module:
     """Fill BN running statistics from random batches (cumulative average), then switch to eval."""
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
             m.momentum = None
     model.train()
     with torch.no_grad():

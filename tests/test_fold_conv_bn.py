@@ -17,12 +17,14 @@ from equivalence import assert_same_step, assert_state_unchanged, state_snapshot
 from torch.testing import FileCheck
 
 import fxopt
+from fxopt import _torch_private
 from fxopt.analysis.shapes import propagate_shapes
 from fxopt.measure import measure_saved_bytes
 from fxopt.passes.base import PassContext
 from fxopt.passes.fold_conv_bn import FoldConvBN
 
 BATCH = 8  # a train-mode BN on a batch of 2 is ill-conditioned; 8 compares stably
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def randomize(model: nn.Module) -> nn.Module:
@@ -30,10 +32,10 @@ def randomize(model: nn.Module) -> nn.Module:
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+            if isinstance(m, BATCH_NORMS) and m.running_mean is not None:
                 m.running_mean.copy_(torch.randn(m.num_features, generator=gen))
                 m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine:
+            if isinstance(m, BATCH_NORMS) and m.affine:
                 m.weight.copy_(torch.randn(m.num_features, generator=gen))
                 m.bias.copy_(torch.randn(m.num_features, generator=gen))
     return model
@@ -43,7 +45,7 @@ def freeze_bn(model: nn.Module) -> nn.Module:
     """The fine-tuning set-up: the model trains, its BatchNorms stay in eval mode."""
     model.train()
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, BATCH_NORMS):
             m.eval()
     return model
 
@@ -182,16 +184,17 @@ def dynamo_graph(model: nn.Module, inputs: tuple):
     """The graph TorchDynamo hands a backend: parameters and buffers arrive as placeholders."""
     captured = {}
 
-    def backend(gm, example_inputs):
-        captured.update(gm=gm, inputs=list(example_inputs))
+    def backend(gm, example_inputs):  # Dynamo drops the placeholders' sources once this returns
+        constants = _torch_private.dynamo_parameter_placeholders(gm, example_inputs)
+        captured.update(gm=gm, inputs=list(example_inputs), constants=constants)
         return gm.forward
 
-    torch._dynamo.reset()
+    _torch_private.reset_dynamo()
     torch.compile(model, backend=backend)(*inputs)
     state = {id(t) for t in [*model.parameters(), *model.buffers()]}
     placeholders = [n for n in captured["gm"].graph.nodes if n.op == "placeholder"]
-    constants = frozenset(n.name for n, v in zip(placeholders, captured["inputs"]) if id(v) in state)
-    return captured["gm"], captured["inputs"], constants
+    assert captured["constants"] == {n.name for n, v in zip(placeholders, captured["inputs"]) if id(v) in state}
+    return captured["gm"], captured["inputs"], captured["constants"]
 
 
 @pytest.mark.parametrize("mode", ["inference", "training"])
