@@ -8,6 +8,7 @@ import torch.nn as nn
 
 import fxopt
 from equivalence import assert_same_step
+from fxopt.capture.specialized import SpecializedCall
 from fxopt.passes import PASSES
 
 
@@ -111,3 +112,28 @@ def test_shape_error_deep_in_a_nested_model_names_the_innermost_module():
     model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.Linear(8, 8))))
     with pytest.raises(fxopt.FxoptError, match=r"module '0.1.0' \(Linear\) failed on inputs \[\(2, 4, 8, 9\) float32\]"):
         fxopt.optimize(model, torch.randn(2, 3, 8, 9))
+
+
+class FlaggedNet(nn.Module):
+    """Traced with a fixed flag, so the result is a SpecializedCall rather than a bare GraphModule."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = small_net()
+
+    def forward(self, x, double: bool = False):
+        y = self.net(x)
+        return y * 2 if double else y
+
+
+@pytest.mark.parametrize("make_model", [small_net, FlaggedNet])
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_optimizing_a_result_again_changes_nothing(make_model, mode):
+    """optimize(optimize(m)) captures the optimized graph again, every pass finds nothing left to do."""
+    torch.manual_seed(0)
+    model = make_model().train(mode == "training")
+    once = fxopt.optimize(model, X, mode=mode)
+    twice = fxopt.optimize(once, X, mode=mode)
+    assert isinstance(twice, SpecializedCall) == isinstance(once, SpecializedCall)
+    assert all(not p.changed for p in twice.fxopt_report.passes)
+    assert_same_step(model, twice, (X,), training=mode == "training")

@@ -351,12 +351,17 @@ def test_inference_never_modifies_the_callers_model(make_model, inputs):
     torch.manual_seed(0)
     model = randomize_bn(make_model()).eval()
     snapshot = state_snapshot(model)
-    modules = [(name, m, m.training) for name, m in model.named_modules()]
+
+    def structure():  # every module, its flags and plain attributes (ReLU's `inplace`, ...)
+        return [(name, m, {k: v for k, v in vars(m).items() if not k.startswith("_")}, dict(m._modules))
+                for name, m in model.named_modules()]
+
+    before = structure()
     inputs_before = [x.clone() for x in inputs]
     optimized = fxopt.optimize(model, inputs, mode="inference")
     optimized(*inputs)
     assert_state_unchanged(model, snapshot)
-    assert [(name, m, m.training) for name, m in model.named_modules()] == modules
+    assert structure() == before
     for before, after in zip(inputs_before, inputs):
         assert torch.equal(before, after)
 

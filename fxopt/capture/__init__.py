@@ -110,6 +110,9 @@ class _Capturer:
 
     def capture_call(self, module, path: str, args: tuple, kwargs: dict) -> torch.nn.Module:
         """Capture `module` as called with (args, kwargs); return what should stand in its place."""
+        if isinstance(module, SpecializedCall):  # an fxopt result optimized again: recapture its graph
+            graph_args, graph_kwargs, _ = module.graph_arguments(args, kwargs)
+            return module.with_graph(self.capture_call(module.graph_module, path, graph_args, graph_kwargs))
         call = _bind_call(module, args, kwargs)
         if isinstance(call, str):
             self.opaque.append(OpaqueModule(path, type(module).__name__, call))

@@ -66,11 +66,20 @@ class SpecializedCall(torch.nn.Module):
         return all(isinstance(arguments[name], torch.Tensor) and tensor_spec(arguments[name]) == spec
                    for name, spec in self.tensor_specs.items())
 
-    def forward(self, *args, **kwargs):
+    def graph_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+        """(args, kwargs) for the graph from a call of the original's signature, and whether the graph may take it."""
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        if self.matches(bound.arguments):
-            return self.graph_module(*bound.args, **bound.kwargs)
+        return bound.args, bound.kwargs, self.matches(bound.arguments)
+
+    def with_graph(self, graph_module: torch.nn.Module) -> SpecializedCall:
+        """The same guards around another graph (the same graph, optimized again)."""
+        return SpecializedCall(graph_module, self.original, self.specialized, self.tensor_specs, self.traced_training)
+
+    def forward(self, *args, **kwargs):
+        graph_args, graph_kwargs, matches = self.graph_arguments(args, kwargs)
+        if matches:
+            return self.graph_module(*graph_args, **graph_kwargs)
         if self.original.training != self.training:  # the caller switched the result's mode: do what
             self.original.train(self.training)       # the same switch would have done to the original
         return self.original(*args, **kwargs)
