@@ -64,7 +64,8 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimize for inference (default) or for a training step")
     parser.add_argument("--passes", metavar="A,B", help="passes to run in order (default: the mode's pipeline)")
     parser.add_argument("--memory-budget", type=_parse_budget, metavar="BUDGET",
-                        help="for checkpoint_activations: a fraction in (0, 1], or bytes (1000000, 512MB)")
+                        help="training peak-memory budget for checkpoint_activations: a fraction such as 0.5 "
+                             "(1.0 = no recomputation) or a size in bytes (300000000, 512MB)")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the traceback of an error")
 
@@ -78,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     passes.add_argument("--json", action="store_true", help="print the list as JSON")
     passes.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
-    inspect = commands.add_parser("inspect", help="run the pipeline on MODEL and show what each pass did")
+    inspect = commands.add_parser("inspect", help="run the pipeline on MODEL and show what each pass did",
+                                  epilog="example: fxopt inspect examples/seed_net.py:SeedNet "
+                                         "--input-shape 8x3x32x32 --diff")
     _model_arguments(inspect)
     inspect.add_argument("--show-graph", action="store_true", help="print the graph after each pass that changed it")
     inspect.add_argument("--diff", action="store_true", help="print a unified diff of the code for each pass")
@@ -87,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--verify", action="store_true",
                          help="check the model against the original after each pass; show the max difference")
 
-    bench = commands.add_parser("bench", help="median latency (and training peak memory): eager vs fxopt")
+    bench = commands.add_parser("bench", help="median latency (and training peak memory): eager vs fxopt",
+                                epilog="example: fxopt bench examples/seed_net.py:SeedNet --input-shape 8x3x32x32 "
+                                       "--mode training")
     _model_arguments(bench)
     bench.add_argument("--compile", action="store_true", help="also time torch.compile(model, backend='fxopt')")
     bench.add_argument("--repeats", type=int, default=20, help="timed runs per variant (default 20)")
@@ -110,7 +115,8 @@ def _passes_command(args) -> None:
     table = [[r["name"], r["summary"], ", ".join(r["modes"]),
               "\n".join(f"{opt}={o['default']!r}: {o['help']}" for opt, o in r["options"].items()) or "-",
               ", ".join(r["default_in"]) or "-"] for r in rows]
-    print(tabulate(table, headers=["pass", "summary", "modes", "options", "default pipeline"]))
+    print(tabulate(table, headers=["pass", "summary", "modes", "options", "default pipeline"],
+                   maxcolwidths=[None, 44, None, 50, 18]))
 
 
 def _prepare(args):
