@@ -133,6 +133,9 @@ def test_shape_specialized_graph_runs_the_original_for_other_shapes():
     model = randomize_bn(ShapeBranchModel()).eval()
     optimized = optimize_fold(model, (torch.randn(2, 3, 8, 8),))
     assert isinstance(optimized, SpecializedCall) and optimized.tensor_specs
+    (specialization,) = optimized.fxopt_report.specialized
+    assert specialization.path == "" and specialization.assumes == "x: (2, 3, 8, 8) float32"
+    assert "Specialized graphs (any other call runs the original module)" in str(optimized.fxopt_report)
     narrow = torch.randn(2, 3, 8, 4)
     assert not optimized.matches({"x": narrow})
     torch.testing.assert_close(optimized(narrow), model(narrow))

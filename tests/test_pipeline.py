@@ -238,7 +238,7 @@ def test_report_to_dict_is_json():
     assert fold["stats"] == {"folded": 1, "refused_conv_has_other_users": 1}
     assert {(s["action"], s["reason"]) for s in fold["sites"]} == {("folded", ""), ("refused", "conv_has_other_users")}
     assert fold["max_abs_diff"] < 1e-4
-    assert data["mode"] == "inference" and data["opaque_modules"] == []
+    assert data["mode"] == "inference" and data["opaque_modules"] == [] and data["specialized_graphs"] == []
 
 
 def test_report_to_dict_of_every_default_pipeline_is_json():

@@ -22,12 +22,12 @@ import torch
 import torch.fx as fx
 
 from ..errors import FxoptError
-from .specialized import SpecializedCall, is_specializable, tensor_spec
+from .specialized import Specialization, SpecializedCall, is_specializable, tensor_spec
 from .stand_in import stand_in_for
 from .state import flipped_mode, record_submodule_calls
 from .tracer import OpaqueModule, trace_with_opaque_leaves
 
-__all__ = ["Capture", "CapturedGraph", "OpaqueModule", "capture"]
+__all__ = ["Capture", "CapturedGraph", "OpaqueModule", "Specialization", "capture"]
 
 
 @dataclasses.dataclass
@@ -44,6 +44,7 @@ class Capture:
     module: torch.nn.Module
     graphs: list[CapturedGraph]
     opaque: list[OpaqueModule]
+    specialized: list[Specialization]
 
 
 def _join(prefix: str, name: str) -> str:
@@ -106,12 +107,14 @@ class _Capturer:
         self.example_inputs = example_inputs
         self.graphs: list[CapturedGraph] = []
         self.opaque: list[OpaqueModule] = []
+        self.specialized: list[Specialization] = []
         self.calls = record_submodule_calls(model, example_inputs)
 
     def capture_call(self, module, path: str, args: tuple, kwargs: dict) -> torch.nn.Module:
         """Capture `module` as called with (args, kwargs); return what should stand in its place."""
         if isinstance(module, SpecializedCall):  # an fxopt result optimized again: recapture its graph
             graph_args, graph_kwargs, _ = module.graph_arguments(args, kwargs)
+            self.specialized.append(Specialization(path, module.describe()))
             return module.with_graph(self.capture_call(module.graph_module, path, graph_args, graph_kwargs))
         call = _bind_call(module, args, kwargs)
         if isinstance(call, str):
@@ -138,7 +141,9 @@ class _Capturer:
             bound = inspect.signature(module.forward).bind(*args, **kwargs)
             specs = {name: tensor_spec(v) for name, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
         if call.fixed or specs or mode_bound:
-            return SpecializedCall(gm, module, call.fixed, specs, module.training if mode_bound else None)
+            guarded = SpecializedCall(gm, module, call.fixed, specs, module.training if mode_bound else None)
+            self.specialized.append(Specialization(path, guarded.describe()))
+            return guarded
         return gm
 
     def capture_children(self, module: torch.nn.Module, path: str) -> torch.nn.Module:
@@ -169,4 +174,4 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Capture:
     if not capturer.graphs:
         reasons = "; ".join(f"{o.path or '<model>'} ({o.type}): {o.reason}" for o in capturer.opaque[:5])
         raise FxoptError(f"nothing in {type(model).__name__} could be traced: {reasons}")
-    return Capture(result, capturer.graphs, capturer.opaque)
+    return Capture(result, capturer.graphs, capturer.opaque, capturer.specialized)

@@ -14,10 +14,19 @@ It exposes the graph's parameters, buffers and submodules as its own (the same d
 from __future__ import annotations
 
 import inspect
+import dataclasses
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+
+@dataclasses.dataclass
+class Specialization:
+    """A captured graph that runs only for calls like the example (the report lists these)."""
+
+    path: str  # where the graph sits in the model ("" is the model itself)
+    assumes: str  # SpecializedCall.describe()
 
 
 def is_specializable(value: Any) -> bool:
@@ -65,6 +74,14 @@ class SpecializedCall(torch.nn.Module):
             return False
         return all(isinstance(arguments[name], torch.Tensor) and tensor_spec(arguments[name]) == spec
                    for name, spec in self.tensor_specs.items())
+
+    def describe(self) -> str:
+        """What the graph assumes about a call, e.g. `x: (2, 3, 32, 32) float32; return_dict=None; eval mode`."""
+        parts = [f"{name}: {shape} {str(dtype).removeprefix('torch.')}" for name, (shape, dtype) in self.tensor_specs.items()]
+        parts += [f"{name}={value!r}" for name, value in self.specialized.items()]
+        if self.traced_training is not None:
+            parts.append("training mode" if self.traced_training else "eval mode")
+        return "; ".join(parts)
 
     def graph_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
         """(args, kwargs) for the graph from a call of the original's signature, and whether the graph may take it."""

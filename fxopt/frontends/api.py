@@ -64,6 +64,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", pass
     ctx = PassContext(mode, dict(pass_options))
     report = PassManager(pipeline, instruments, verifier).run(captured.module, captured.graphs, ctx)
     report.opaque = captured.opaque
+    report.specialized = captured.specialized
     result = captured.module
     result.fxopt_report = report
     return result

@@ -7,7 +7,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from ..capture import OpaqueModule
+from ..capture import OpaqueModule, Specialization
 from ..passes.base import Site
 
 
@@ -53,6 +53,7 @@ class Report:
     mode: str
     passes: list[PassReport] = dataclasses.field(default_factory=list)
     opaque: list[OpaqueModule] = dataclasses.field(default_factory=list)
+    specialized: list[Specialization] = dataclasses.field(default_factory=list)  # graphs guarded by a call check
     graphs: list[str] = dataclasses.field(default_factory=list)  # where each captured graph sits
 
     def __getitem__(self, name: str) -> PassReport:
@@ -66,6 +67,7 @@ class Report:
             "mode": self.mode,
             "graphs": list(self.graphs),
             "opaque_modules": [dataclasses.asdict(o) for o in self.opaque],
+            "specialized_graphs": [dataclasses.asdict(s) for s in self.specialized],
             "passes": [p.to_dict() for p in self.passes],
         }
 
@@ -91,6 +93,10 @@ class Report:
         if self.opaque:
             rows = [[o.path or "<model>", o.type, o.reason] for o in self.opaque]
             parts += ["", "Opaque modules (run unchanged):", tabulate(rows, headers=["module", "type", "why"])]
+        if self.specialized:
+            rows = [[s.path or "<model>", s.assumes] for s in self.specialized]
+            parts += ["", "Specialized graphs (any other call runs the original module):",
+                      tabulate(rows, headers=["module", "graph assumes"])]
         sites = self.sites_table()
         if sites:
             parts += ["", sites]
