@@ -112,7 +112,7 @@ def _rewrite(node: fx.Node, target, args: tuple, kwargs: dict) -> None:
 class InplaceReLU(Pass):
     name = "inplace_relu"
     summary = "Run ReLU-family activations in place where proven safe; in training relu keeps a bool mask."
-    options = {"relu_mask": (True, "in training, let relu keep a bool mask instead of its output where that frees memory")}
+    options = {"relu_mask": (True, "in training, relu keeps a bool mask instead of its output where that frees memory")}
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
