@@ -215,6 +215,38 @@ def test_writes_inside_the_aux_head_do_not_keep_it_recorded():
     assert_same_declared_step(model, opt, X_VEC, {0})
 
 
+class WritesIntoBuffer(AuxHead):
+    def forward(self, x):
+        h = self.body(x)
+        stats = torch.zeros_like(h[:, :8])
+        stats.add_(self.aux(h))  # a fresh tensor that now carries the aux head's graph
+        return self.head(h), stats * 2
+
+
+def test_output_recorded_through_an_in_place_write_is_detached():
+    """A declared non-differentiable output that needs grad only through an in-place write still comes back detached."""
+    model = aux_model(WritesIntoBuffer)
+    opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
+    assert not opt(X_VEC)[1].requires_grad
+    assert_same_declared_step(model, opt, X_VEC, {0})
+
+
+class AtenAux(AuxHead):
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h), torch.ops.aten.mul.Tensor(self.aux(h), 2.0)
+
+
+def test_function_that_cannot_be_named_stays_recorded():
+    """A graph holds a no_grad callee by its import name; an ATen overload has none, so it stays recorded."""
+    model = aux_model(AtenAux)
+    opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
+    report = opt.fxopt_report["prune_dead_grads"]
+    assert report.stats["refused_not_importable"] == 1 and report.stats["no_grad"] == 4
+    assert not opt(X_VEC)[1].requires_grad
+    assert_same_declared_step(model, opt, X_VEC, {0})
+
+
 class UntraceableRoot(nn.Module):
     def __init__(self):
         super().__init__()

@@ -35,7 +35,7 @@ from .. import _torch_private
 from .aliasing import AliasInfo
 from .saved_tensors import SavedForBackward
 from .shapes import tensor_meta
-from .side_effects import MUTATION, OPAQUE, WITHOUT_GRAD_WRAPPER, effects, qualified_name
+from .side_effects import MUTATION, OPAQUE, WITHOUT_GRAD_WRAPPERS, effects, qualified_name
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -92,7 +92,8 @@ def _trainable_params(node: fx.Node, gm: fx.GraphModule, constant_inputs: frozen
     return []
 
 
-def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str]) -> set[fx.Node]:
+def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str], writers: list[fx.Node],
+                   aliases: AliasInfo | None) -> set[fx.Node]:
     result: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -101,12 +102,14 @@ def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str]) -> set[f
             needs = bool(_trainable_params(node, gm, constant_inputs))
         elif node.op in _CALLS:
             reads = any(n in result for n in node.all_input_nodes) or bool(_trainable_params(node, gm, constant_inputs))
-            silent = node.target == "detach" or qualified_name(node.target) == WITHOUT_GRAD_WRAPPER
+            silent = node.target == "detach" or qualified_name(node.target) in WITHOUT_GRAD_WRAPPERS
             needs = reads and not silent and _differentiable_value(node)
         else:
             needs = False
         if needs:
             result.add(node)
+            if node in writers:  # writing a recorded value into a tensor makes it (and its views) recorded
+                result.update(a for n in node.all_input_nodes for a in aliases.aliases(n) if _differentiable_value(a))
     return result
 
 
@@ -119,13 +122,11 @@ def _add_with_inputs(live: set[fx.Node], roots) -> None:
             stack.extend(node.all_input_nodes)
 
 
-def _grad_live(gm: fx.GraphModule, differentiated: Collection[fx.Node]) -> set[fx.Node]:
+def _grad_live(differentiated: Collection[fx.Node], opaque: list[fx.Node], writers: list[fx.Node],
+               aliases: AliasInfo | None) -> set[fx.Node]:
     """Nodes a differentiated output depends on, and everything that may write into one of them."""
-    kinds = {n: effects(n, gm) for n in gm.graph.nodes if n.op in _CALLS}
     live: set[fx.Node] = set()
-    _add_with_inputs(live, [*differentiated, *(n for n, k in kinds.items() if OPAQUE in k)])
-    writers = [n for n, k in kinds.items() if MUTATION in k]
-    aliases = AliasInfo(gm) if writers else None
+    _add_with_inputs(live, [*differentiated, *opaque])
     changed = True
     while changed:  # a write into anything that may share storage with a live value (or an input) is live
         changed = False
@@ -142,8 +143,11 @@ def _grad_live(gm: fx.GraphModule, differentiated: Collection[fx.Node]) -> set[f
 def analyze_grad_needs(gm: fx.GraphModule, differentiated: Collection[fx.Node],
                        constant_inputs: frozenset[str] = frozenset()) -> GradNeeds:
     """What needs a gradient when only `differentiated` output values are differentiated (module docstring)."""
-    requires = _requires_grad(gm, constant_inputs)
-    live = _grad_live(gm, differentiated)
+    kinds = {n: effects(n, gm) for n in gm.graph.nodes if n.op in _CALLS}
+    writers = [n for n, k in kinds.items() if MUTATION in k]
+    aliases = AliasInfo(gm) if writers else None
+    requires = _requires_grad(gm, constant_inputs, writers, aliases)
+    live = _grad_live(differentiated, [n for n, k in kinds.items() if OPAQUE in k], writers, aliases)
     no_grad = tuple(n for n in gm.graph.nodes
                     if n.op in _CALLS and n in requires and n not in live and n.users)
     trainable = {name: n for n in gm.graph.nodes for name in _trainable_params(n, gm, constant_inputs)}

@@ -20,6 +20,8 @@ Anything not recognised is OPAQUE, so a caller that keeps effectful nodes is sou
 from __future__ import annotations
 
 import builtins
+import functools
+import importlib
 import inspect
 import math
 import operator
@@ -56,8 +58,10 @@ _PURE_FXOPT_FUNCTIONS = {"fxopt.passes.fold_conv_bn.folded_conv_bn_params",
                          "fxopt.passes._frozen_ops.eval_batch_norm_scale_shift",
                          "fxopt.passes._frozen_ops.conv_saving_what_grads_need",
                          "fxopt.passes._frozen_ops.relu_saving_mask"}
-# fxopt's wrapper that runs another callable (its first argument) without grad: it has its effects.
-WITHOUT_GRAD_WRAPPER = "fxopt.passes._frozen_ops.call_without_grad"
+# fxopt's wrappers that run another callable without grad (fxopt.passes._frozen_ops): they have its effects.
+# The callable is their first argument: a submodule (get_attr), an importable function name, or a method name.
+WITHOUT_GRAD_WRAPPERS = {"fxopt.passes._frozen_ops.call_without_grad": "callable",
+                         "fxopt.passes._frozen_ops.call_method_without_grad": "method"}
 _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
                     torch.nn.FeatureAlphaDropout, torch.nn.RReLU)
 
@@ -65,6 +69,39 @@ _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, to
 def qualified_name(fn) -> str:
     """`module.qualname` of a callable (how fxopt names its own helpers without importing them)."""
     return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
+
+
+@functools.cache
+def import_by_name(name: str):
+    """The object at `module.attr.attr` (the longest importable module prefix, then attributes)."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:split]))
+        except (ImportError, TypeError, ValueError):
+            continue
+        for attr in parts[split:]:
+            value = getattr(value, attr)
+        return value
+    raise ImportError(f"cannot import {name!r}")
+
+
+def importable_name(fn) -> str | None:
+    """A name `import_by_name` turns back into `fn` (a graph can hold it as a string), or None.
+
+    torch's C functions report a class as their home (`torch._VariableFunctionsClass.relu`), so the
+    public namespaces are tried too.
+    """
+    short = getattr(fn, "__name__", "")
+    candidates = (qualified_name(fn), f"{getattr(fn, '__module__', None)}.{short}", f"torch.{short}",
+                  f"torch.nn.functional.{short}", f"operator.{short}")
+    for name in candidates:
+        try:
+            if import_by_name(name) is fn:
+                return name
+        except (ImportError, AttributeError):
+            continue
+    return None
 
 
 def _bound_flag(fn, args, kwargs, name: str, default):
@@ -82,8 +119,8 @@ def _is_torch_callable(fn) -> bool:
 
 def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
     name = getattr(fn, "__name__", "")
-    if qualified_name(fn) == WITHOUT_GRAD_WRAPPER:
-        return _wrapped_effects(args[0], args[1:], kwargs, gm)
+    if qualified_name(fn) in WITHOUT_GRAD_WRAPPERS:
+        return _wrapped_effects(WITHOUT_GRAD_WRAPPERS[qualified_name(fn)], args[0], args[1:], kwargs, gm)
     if qualified_name(fn) in _PURE_FXOPT_FUNCTIONS:
         return NO_EFFECTS
     if isinstance(fn, _torch_private.op_overload_types()):
@@ -156,13 +193,13 @@ def _module_effects(module: torch.nn.Module) -> frozenset[str]:
     return frozenset(kinds)
 
 
-def _wrapped_effects(target, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
-    """Effects of the callable an fxopt wrapper runs: a submodule (get_attr), a method name, or a function."""
+def _wrapped_effects(kind: str, target, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
+    """Effects of the callable an fxopt wrapper runs (see WITHOUT_GRAD_WRAPPERS)."""
+    if kind == "method":
+        return _method_effects(target, kwargs)
     if isinstance(target, fx.Node) and target.op == "get_attr":
         return _module_effects(gm.get_submodule(target.target))
-    if isinstance(target, str):
-        return _method_effects(target, kwargs)
-    return _function_effects(target, args, kwargs, gm)
+    return _function_effects(import_by_name(target), args, kwargs, gm)
 
 
 def effects(node: fx.Node, gm: fx.GraphModule) -> frozenset[str]:

@@ -10,7 +10,8 @@ inplace_relu, which runs next and sees that a frozen conv no longer keeps the Re
   conv_saving_what_grads_need  input only if the weight needs a gradient, weight only if the input does
   eval_batch_norm_scale_shift  eval BatchNorm as `x * scale + shift`: autograd's mul keeps `x` only
                                when `scale` needs a gradient (a trainable affine weight)
-  call_without_grad            run one graph node under `torch.no_grad()` (nothing recorded or kept)
+  call_without_grad            run one graph node under `torch.no_grad()` (nothing recorded or kept);
+  call_method_without_grad     the same for a method call
 
 The convolution's backward is `once_differentiable`: double backward through it raises a clear
 error instead of running (second-order gradients of a frozen-middle network are not supported).
@@ -20,13 +21,23 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..analysis.side_effects import import_by_name
+
 
 def call_without_grad(target, *args, **kwargs):
-    """`target(*args, **kwargs)` under `torch.no_grad()`; a str target is a method of `args[0]`."""
+    """`target(*args, **kwargs)` under `torch.no_grad()`; `target` is a module or an importable function name.
+
+    A graph holds the function by name: fx cannot print a function object as an argument.
+    """
+    function = import_by_name(target) if isinstance(target, str) else target
     with torch.no_grad():
-        if isinstance(target, str):
-            return getattr(args[0], target)(*args[1:], **kwargs)
-        return target(*args, **kwargs)
+        return function(*args, **kwargs)
+
+
+def call_method_without_grad(name: str, self, *args, **kwargs):
+    """`self.name(*args, **kwargs)` under `torch.no_grad()`."""
+    with torch.no_grad():
+        return getattr(self, name)(*args, **kwargs)
 
 
 def _shape_only(like: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -36,6 +36,8 @@ statistics. In inference mode only dead-code elimination runs (nothing is record
 When it refuses (reason in the report):
   not_model_outputs   differentiable_outputs given, but this graph's outputs are not the model's
                       (a captured submodule, or a Dynamo graph on the torch.compile path)
+  not_importable      a function outside the loss that cannot be named again (a local function):
+                      it stays recorded (the nodes around it still run without grad)
   module_has_hooks    the conv/BN module has hooks, which a functional replacement would skip
   unsupported_conv    padding_mode other than zeros, ConvTranspose with output_size, string padding
   unbatched           a conv input without a batch dimension
@@ -60,9 +62,10 @@ from ..analysis.grad_needs import GradNeeds, analyze_grad_needs, really_saved
 from ..analysis.ops import ConvCall, match_batch_norm, match_conv, materialize, resolve
 from ..analysis.saved_tensors import op_name
 from ..analysis.shapes import tensor_meta
-from ..analysis.side_effects import removable_if_unused
+from ..analysis.side_effects import importable_name, removable_if_unused
 from ..errors import FxoptError
-from ._frozen_ops import call_without_grad, conv_saving_what_grads_need, eval_batch_norm_scale_shift
+from ._frozen_ops import (call_method_without_grad, call_without_grad, conv_saving_what_grads_need,
+                          eval_batch_norm_scale_shift)
 from .base import INFERENCE, Pass, PassContext, PassResult
 
 
@@ -194,9 +197,19 @@ class PruneDeadGrads(Pass):
     def _run_without_grad(gm: fx.GraphModule, needs: GradNeeds, result: PassResult) -> None:
         graph = gm.graph
         for node in needs.no_grad_nodes:
+            wrapper, target = call_without_grad, node.target
+            if node.op == "call_method":
+                wrapper = call_method_without_grad
+            elif node.op == "call_function":
+                target = importable_name(node.target)
+                if target is None:
+                    result.record("refused", node, "not_importable",
+                                  f"{node.target!r} cannot be named in the graph; it stays recorded")
+                    continue
             with graph.inserting_before(node):
-                target = graph.get_attr(node.target) if node.op == "call_module" else node.target
-                new = graph.call_function(call_without_grad, (target, *node.args), dict(node.kwargs))
+                if node.op == "call_module":
+                    target = graph.get_attr(node.target)
+                new = graph.call_function(wrapper, (target, *node.args), dict(node.kwargs))
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
