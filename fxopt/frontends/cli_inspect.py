@@ -21,7 +21,8 @@ from .cli_loading import format_shape
 
 # The documented, stable shape of `fxopt inspect --json` (README "Inspecting a model").
 JSON_KEYS = {
-    "top": ("fxopt_version", "model", "mode", "inputs", "graphs", "opaque_modules", "passes", "summary"),
+    "top": ("fxopt_version", "model", "mode", "inputs", "graphs", "opaque_modules", "specialized_graphs", "passes",
+            "summary"),
     "input": ("shape", "dtype"),
     "pass": ("name", "seconds", "nodes_before", "nodes_after", "changed", "stats", "sites", "figures", "skipped",
              "max_abs_diff", "estimated"),
@@ -185,6 +186,10 @@ class InspectResult:
             rows = [[o.path or "<model>", o.type, o.reason] for o in self.report.opaque]
             lines += ["", "Opaque modules (run unchanged; their children may still be optimized):",
                       tabulate(rows, headers=["module", "type", "why"])]
+        if self.report.specialized:
+            rows = [[s.path or "<model>", s.assumes] for s in self.report.specialized]
+            lines += ["", "Specialized graphs (any other call runs the original module):",
+                      tabulate(rows, headers=["module", "graph assumes"])]
         if self.report.opaque:
             lines += ["", "(estimates cover the captured graphs; code that stayed opaque outside them is not counted)"]
         if self.costs.stages[0] is None:
