@@ -27,8 +27,9 @@ when only the input gradient is wanted. In training mode this pass removes that 
    assert, hooks, opaque modules all stay).
 
 Why it is safe: a value no differentiated output depends on receives no gradient, so recording
-it only costs memory; values that a differentiated output reads, and everything feeding an
-in-place write or opaque code, stay recorded. The frozen-layer ops decide at run time from
+it only costs memory; values that a differentiated output reads, opaque code, and every in-place
+write into a tensor that may share storage with such a value or with a graph input stay recorded
+(`grad_needs`). The frozen-layer ops decide at run time from
 `requires_grad` what to keep, so unfreezing a layer later still gives full gradients. Running a
 dropout or a train-mode BatchNorm under no_grad draws the same numbers and updates the same
 statistics. In inference mode only dead-code elimination runs (nothing is recorded there).
@@ -36,13 +37,18 @@ statistics. In inference mode only dead-code elimination runs (nothing is record
 When it refuses (reason in the report):
   not_model_outputs   differentiable_outputs given, but this graph's outputs are not the model's
                       (a captured submodule, or a Dynamo graph on the torch.compile path)
-  not_importable      a function outside the loss that cannot be named again (a local function):
-                      it stays recorded (the nodes around it still run without grad)
+  not_importable      a function outside the loss that the graph cannot name again (an ATen
+                      overload): it stays recorded (the nodes around it still run without grad)
   module_has_hooks    the conv/BN module has hooks, which a functional replacement would skip
   unsupported_conv    padding_mode other than zeros, ConvTranspose with output_size, string padding
   unbatched           a conv input without a batch dimension
   mixed_dtype         a BatchNorm whose statistics and input differ in dtype (autocast, half)
   no_waste            the op does not keep its input here (nothing to gain)
+
+Limits: like fold_conv_bn, a BatchNorm's eval mode is taken as given at optimize time. Double
+backward through a rewritten conv raises (its backward is `once_differentiable`). On the
+torch.compile path the convs are rewritten too, but AOTAutograd then still keeps each ReLU's
+output (inplace_relu's masks do not run there), so the saving is an eager-path one.
 
 The report's figures: which parameters and inputs still need a gradient, the trainable
 parameters that no longer get one, and saved-for-backward bytes before/after
