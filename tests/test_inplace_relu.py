@@ -451,7 +451,12 @@ VIEWS = {
 ACT_MODULES = {"relu": nn.ReLU, "leaky": lambda: nn.LeakyReLU(0.1), "relu6": nn.ReLU6, "silu": nn.SiLU}
 ACT_FUNCTIONS = {"F.relu": F.relu, "method": lambda v: v.relu(), "elu": F.elu, "hardswish": F.hardswish}
 ACTS = sorted([*ACT_MODULES, *ACT_FUNCTIONS])
-OTHERS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh}
+OTHERS = {
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+    # relu of one of chunk's views, and of an expanded view: both must stay out of place
+    "chunk_relu": lambda v: torch.cat([torch.relu(v.chunk(2, 0)[0]), v.chunk(2, 0)[1]], 0),
+    "expand_relu": lambda v: torch.relu(v[:1].expand(4, 8)),
+}
 BINARY = {"add": torch.add, "mul": torch.mul, "sub": torch.sub}
 
 
