@@ -23,6 +23,7 @@ simulation the planner (fxopt.passes._checkpoint_plan) also takes, so both see t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -71,7 +72,6 @@ class StepProfile:
     nbytes: dict  # Key -> bytes
     last_read: dict  # Key -> position of its last reader (len(steps) for graph outputs)
     grad_live: list[int]  # bytes of gradients alive during the backward of each position
-    _regions: dict = dataclasses.field(default_factory=dict, repr=False)  # Region -> (keeps, recomputes)
 
     def bytes_of(self, keys) -> int:
         return sum(self.nbytes[k] for k in keys)
@@ -84,21 +84,55 @@ class StepProfile:
         """What the region's recomputation makes alive again: everything its steps save."""
         return self._region_sets(r)[1]
 
-    def _region_sets(self, r: Region) -> tuple[frozenset, frozenset]:
+    def region_recompute_bytes(self, r: Region) -> int:
+        return self._region_sets(r)[2]
+
+    def _region_sets(self, r: Region) -> tuple[frozenset, frozenset, int]:
         if r not in self._regions:
             steps = self.steps[r.start:r.stop]
             made = frozenset().union(*(s.creates for s in steps))
             keeps = frozenset().union(*(s.reads for s in steps)) - made
             if r.save_counted:
                 keeps |= frozenset().union(*(s.creates for s in steps if s.counted))
-            self._regions[r] = (keeps, frozenset().union(*(s.saved for s in steps)))
+            recomputes = frozenset().union(*(s.saved for s in steps))
+            self._regions[r] = (keeps, recomputes, self.bytes_of(recomputes))
         return self._regions[r]
 
     def region_cost(self, r: Region) -> int:
-        return sum(s.recompute_cost for s in self.steps[r.start:r.stop] if not (r.save_counted and s.counted))
+        """Recompute cost of a region: every step's, less the counted ones a selective region keeps."""
+        return self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
 
     def region_flops(self, r: Region) -> int:
-        return sum(s.flops for s in self.steps[r.start:r.stop] if not (r.save_counted and s.counted))
+        return self._sum(self._flops_prefix, r) - (self._sum(self._counted_flops_prefix, r) if r.save_counted else 0)
+
+    def __post_init__(self):
+        self._regions: dict = {}  # Region -> (keeps, recomputes, bytes recomputed)
+        self._deltas: dict = {}  # (held, segment) -> segment_delta
+        self._cost_prefix = list(itertools.accumulate((s.recompute_cost for s in self.steps), initial=0))
+        self._counted_cost_prefix = list(itertools.accumulate((s.recompute_cost * s.counted for s in self.steps),
+                                                              initial=0))
+        self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
+        self._counted_flops_prefix = list(itertools.accumulate((s.flops * s.counted for s in self.steps), initial=0))
+
+    def segment_delta(self, held: frozenset, segment: Region | int) -> tuple[int, int, frozenset]:
+        """(bytes newly kept, live bytes above everything kept during its backward, tensors still readable after)."""
+        key = (held, segment)
+        if key not in self._deltas:
+            if isinstance(segment, int):
+                keeps, extra, stop = self.steps[segment].saved, frozenset(), segment + 1
+                grads = self.grad_live[segment]
+            else:
+                keeps, stop = self.region_keeps(segment), segment.stop
+                # recomputation makes again what the steps save, and the last step's output on the way
+                extra = (self.region_recomputes(segment) | self.steps[stop - 1].creates) - keeps - held
+                grads = max(self.grad_live[segment.start:stop])
+            still_read = frozenset(k for k in held | keeps if self.last_read[k] >= stop)
+            self._deltas[key] = (self.bytes_of(keeps - held), self.bytes_of(extra) + grads, still_read)
+        return self._deltas[key]
+
+    @staticmethod
+    def _sum(prefix: list[int], r: Region) -> int:
+        return prefix[r.stop] - prefix[r.start]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +144,8 @@ class SegmentEffect:
 
 def segment_effect(profile: StepProfile, held: frozenset, kept_bytes: int, segment: Region | int) -> SegmentEffect:
     """Add one segment (a plain step at a position, or a region) to a plan walked in forward order."""
-    if isinstance(segment, int):
-        keeps, extra, stop = profile.steps[segment].saved, frozenset(), segment + 1
-        grads = profile.grad_live[segment]
-    else:
-        keeps, stop = profile.region_keeps(segment), segment.stop
-        extra = profile.region_recomputes(segment) - keeps - held
-        grads = max(profile.grad_live[segment.start:stop])
-    kept_bytes += profile.bytes_of(keeps - held)
-    peak = kept_bytes + profile.bytes_of(extra) + grads
-    still_read = frozenset(k for k in held | keeps if profile.last_read[k] >= stop)
-    return SegmentEffect(still_read, kept_bytes, peak)
+    added, above_kept, still_read = profile.segment_delta(held, segment)
+    return SegmentEffect(still_read, kept_bytes + added, kept_bytes + added + above_kept)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,6 +66,7 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
 
     for i in range(n):
         for held, labels in frontier[i].items():
+            held_bytes = profile.bytes_of(held)
             for label in _prune(labels, objective):
                 effect = segment_effect(profile, held, label.kept, i)
                 if effect.peak <= budget:
@@ -75,8 +76,8 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
                     if not checkpointable[stop - 1]:
                         break
                     whole = Region(i, stop)
-                    if label.kept + profile.bytes_of(profile.region_recomputes(whole) - held) > budget:
-                        break
+                    if label.kept + profile.region_recompute_bytes(whole) - held_bytes > budget:
+                        break  # recomputing it alone would exceed the budget, and longer regions more
                     for region in (whole, Region(i, stop, save_counted=True)):
                         effect = segment_effect(profile, held, label.kept, region)
                         if effect.peak <= budget:
