@@ -21,17 +21,24 @@ from ._torch_private import dispatch_mode_base, tree_leaves
 
 
 class _LiveStorageMode(dispatch_mode_base()):
-    """Logs (+bytes, key) when an op creates a storage and (-bytes, key) when it dies."""
+    """Logs (+bytes, serial) when an op creates a storage and (-bytes, serial) when it dies.
+
+    Each allocation gets a serial number: Python reuses `id()`s of dead objects, so an id
+    only names a storage while it is alive (`live_serials`).
+    """
 
     def __init__(self, preexisting: set[int]):
         super().__init__()
         self.preexisting = preexisting
-        self.seen: dict[int, weakref.ref] = {}
+        self.live_serials: dict[int, int] = {}  # id(storage) -> serial, for live storages only
+        self.refs: dict[int, weakref.ref] = {}
         self.events: list[tuple[int, int]] = []
 
-    def _freed(self, key: int, nbytes: int, _ref) -> None:
-        self.seen.pop(key, None)
-        self.events.append((-nbytes, key))
+    def _freed(self, key: int, serial: int, nbytes: int, _ref) -> None:
+        if self.live_serials.get(key) == serial:
+            del self.live_serials[key]
+        self.refs.pop(serial, None)
+        self.events.append((-nbytes, serial))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -41,10 +48,12 @@ class _LiveStorageMode(dispatch_mode_base()):
             storage = t.untyped_storage()
             key = id(storage)
             nbytes = storage.nbytes()
-            if key in self.seen or key in self.preexisting or nbytes == 0:
+            if key in self.live_serials or key in self.preexisting or nbytes == 0:
                 continue
-            self.seen[key] = weakref.ref(storage, lambda ref, k=key, n=nbytes: self._freed(k, n, ref))
-            self.events.append((nbytes, key))
+            serial = len(self.events)
+            self.live_serials[key] = serial
+            self.refs[serial] = weakref.ref(storage, lambda r, k=key, s=serial, n=nbytes: self._freed(k, s, n, r))
+            self.events.append((nbytes, serial))
         return out
 
 
@@ -56,16 +65,17 @@ def measure_peak(step: Callable[[], object], module: torch.nn.Module, inputs: tu
     """Peak bytes of storages created by `step()` and alive at once, gradients excluded."""
     preexisting = _storage_ids([*module.parameters(), *module.buffers(), *inputs])
     keep = [t.untyped_storage() for t in [*module.parameters(), *module.buffers(), *inputs]
-             if isinstance(t, torch.Tensor)]  # ids are only unique while alive
+            if isinstance(t, torch.Tensor)]  # ids are only unique while alive
     mode = _LiveStorageMode(preexisting)
     with mode:
         result = step()
-    grads = _storage_ids([p.grad for p in module.parameters() if p.grad is not None])
-    grads |= _storage_ids([x.grad for x in inputs if isinstance(x, torch.Tensor) and x.grad is not None])
-    del result
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    grads += [x.grad for x in inputs if isinstance(x, torch.Tensor) and x.grad is not None]
+    grad_serials = {mode.live_serials[key] for key in _storage_ids(grads) if key in mode.live_serials}
+    del result, keep
     live = peak = 0
-    for delta, key in mode.events:
-        if key in grads:
+    for delta, serial in mode.events:
+        if serial in grad_serials:
             continue
         live += delta
         peak = max(peak, live)
