@@ -8,9 +8,12 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.testing import FileCheck
+from torch.utils.checkpoint import checkpoint
 
 import fxopt
 from equivalence import assert_same_step
+from fxopt.analysis.shapes import propagate_shapes
 from fxopt.passes.base import PassContext
 from fxopt.passes.checkpoint_activations import CheckpointActivations
 
@@ -189,6 +192,31 @@ def test_unknown_call_stays_outside_regions():
     opt = _optimize(model, (x,), 0.2)
     assert opt.fxopt_report["checkpoint_activations"].stats["refused_unknown_op"] == 1
     assert "_scale" in opt.code
+
+
+def test_user_checkpoint_is_left_alone():
+    """A region the user checkpointed by hand stays one call, outside every region the pass makes."""
+    class HandCheckpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(torch.tanh(x)))
+            return self.b(torch.tanh(checkpoint(self.b, h, use_reentrant=False)))
+
+    # fxopt's capture traces through checkpoint(); a tracer that keeps it as a call shows what the pass does with it
+    model = HandCheckpointed()
+    gm = fx.GraphModule(model, fx.Tracer(autowrap_functions=(checkpoint,)).trace(model))
+    x = torch.randn(32, 64)
+    propagate_shapes(gm, (x,))
+    result = CheckpointActivations().run(gm, PassContext("training", {"memory_budget": 0.1}))
+    gm.recompile()
+    assert result.stats["refused_already_checkpointed"] == 1 and result.stats["checkpointed"] >= 1
+    FileCheck().check("torch.utils.checkpoint.checkpoint(b, ").run(gm.code)
+    for name in _regions(gm):
+        assert "checkpoint.checkpoint" not in getattr(gm, name).body.code
+    assert_same_step(model, gm, (x,), training=True)
 
 
 @pytest.mark.parametrize("budget", [0.0, 1.5, -3, float("nan"), True, "lots", "0MB", "12 parsecs", [0.5]])
