@@ -71,6 +71,7 @@ def test_mlp_step_is_unchanged():
     opt = _optimize(model, (x,), 0.3)
     assert _regions(opt) and "checkpointed_" in opt.code
     assert_same_step(model, opt, (x,), training=True)
+    assert opt.state_dict().keys() == model.state_dict().keys()
 
 
 def test_conv_net_with_train_bn_is_unchanged():

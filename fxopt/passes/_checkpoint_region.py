@@ -7,11 +7,12 @@ only the region's inputs (and restores the RNG state before recomputing, so drop
 same mask). With `save_counted`, a selective checkpoint policy also keeps the outputs of the
 ops FlopCounterMode counts (matmuls, convolutions, attention) and recomputes only the rest.
 
-Before / after::
+The body's modules and tensors are the parent graph's own (not registered a second time), so
+`state_dict()` keeps the original keys. Before / after::
 
-    h = self.fc1(x); n = self.norm(h); g = self.act(n); y = self.fc2(g)
+    h = self.fc1(x);  n = self.norm(h);  g = self.act(n);  y = self.fc2(g)
   becomes
-    checkpointed_norm_to_act = self.checkpointed_norm_to_act(h_of(self.fc1(x)));  y = self.fc2(...)
+    h = self.fc1(x);  checkpointed_norm_to_act = self.checkpointed_norm_to_act(h);  y = self.fc2(checkpointed_norm_to_act)
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ class CheckpointedRegion(torch.nn.Module):
 
     def __init__(self, body: fx.GraphModule, save_counted: bool):
         super().__init__()
-        self.body = body
+        # Held outside the module tree: its modules and tensors are the parent graph's own, so
+        # state_dict() and parameters() list nothing twice.
+        self.__dict__["body"] = body
         self.save_counted = save_counted
 
     def forward(self, *args):
@@ -44,7 +47,8 @@ class CheckpointedRegion(torch.nn.Module):
         return checkpoint(self.body, *args, use_reentrant=False, context_fn=context_fn)
 
     def extra_repr(self) -> str:
-        return "selective: matmul/conv/attention outputs saved" if self.save_counted else "recomputes everything"
+        kind = "selective: matmul/conv/attention outputs saved" if self.save_counted else "recomputes everything"
+        return f"{kind}\n{self.body.code.strip()}"
 
 
 def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_counted: bool) -> fx.Node:
