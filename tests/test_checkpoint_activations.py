@@ -245,3 +245,18 @@ def test_default_training_pipeline_runs_it_only_with_a_budget():
     assert "checkpoint_activations" not in [p.name for p in plain.fxopt_report.passes]
     budgeted = fxopt.optimize(model, (x,), mode="training", memory_budget=0.3)
     assert budgeted.fxopt_report["checkpoint_activations"].changed
+
+
+def test_node_flops_match_flop_counter():
+    """Per-node FLOPs add up to what FlopCounterMode counts for the real forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fxopt.analysis.flops import node_flops
+
+    model, x = deep_mlp(depth=2, width=32), torch.randn(8, 32)
+    opt = fxopt.optimize(model, (x,), mode="training", passes=[])
+    flops = node_flops(opt)
+    assert flops["_0"] == flops["_4"] == 2 * 8 * 32 * 32 and flops["_1"] == 0
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    assert sum(flops.values()) == counter.get_total_flops()

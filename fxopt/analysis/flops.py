@@ -35,6 +35,21 @@ class _PerNodeFlops(fx.Interpreter):
         return out
 
 
+class _Interpreting(torch.nn.Module):
+    """Runs `gm` node by node; a module so `functional_call` can swap in fake parameters and buffers."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__()
+        self.gm = gm
+        self.flops: dict[str, int] = {}
+
+    def forward(self, *inputs):
+        interpreter = _PerNodeFlops(self.gm)
+        out = interpreter.run(*inputs)
+        self.flops = interpreter.flops
+        return out
+
+
 def node_flops(gm: fx.GraphModule) -> dict[str, int] | None:
     """Forward FLOPs of every call node of `gm`, or None if the graph cannot run on fake tensors."""
     inputs = tuple(n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder"))
@@ -50,18 +65,3 @@ def node_flops(gm: fx.GraphModule) -> dict[str, int] | None:
     except Exception:  # noqa: BLE001 - data-dependent code cannot run on fake tensors
         return None
     return runner.flops
-
-
-class _Interpreting(torch.nn.Module):
-    """Runs `gm` node by node; a module so `functional_call` can swap in fake parameters and buffers."""
-
-    def __init__(self, gm: fx.GraphModule):
-        super().__init__()
-        self.gm = gm
-        self.flops: dict[str, int] = {}
-
-    def forward(self, *inputs):
-        interpreter = _PerNodeFlops(self.gm)
-        out = interpreter.run(*inputs)
-        self.flops = interpreter.flops
-        return out

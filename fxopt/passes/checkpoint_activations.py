@@ -32,7 +32,8 @@ When a node stays out of every region (reason in the report):
   already_checkpointed  a region the user (or an earlier run) checkpointed: left as it is
   unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
 and the whole pass is skipped when the graph already holds its regions (a second run changes
-nothing) or cannot run on fake tensors.
+nothing), cannot run on fake tensors, or is handed on to torch.compile (whose partitioner
+decides recomputation itself).
 """
 from __future__ import annotations
 
@@ -120,6 +121,10 @@ class CheckpointActivations(Pass):
             result.skipped = "no memory_budget given"
             return result
         kind, amount = parse_budget(value)
+        if ctx.frontend == "backend":
+            result.skipped = ("under torch.compile, AOTAutograd's partitioner decides what to recompute "
+                              "(torch._functorch.config.activation_memory_budget)")
+            return result
         if any(isinstance(m, CheckpointedRegion) for m in gm.modules()):
             result.skipped = "the graph already holds checkpointed regions"
             return result
