@@ -473,3 +473,43 @@ def test_leaves_bn_subclass_with_own_forward_alone():
     optimized = fold(model, inputs, "inference")
     assert stats(optimized) == {}
     assert_same_step(model, optimized, inputs, training=False)
+
+
+def test_switching_a_folded_bn_to_train_mode_is_an_error_not_a_stale_result():
+    """A BN folded in eval mode and later switched to train mode would need batch statistics, so the call fails loudly."""
+    torch.manual_seed(0)
+    model = freeze_bn(randomize(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))))
+    x = torch.randn(BATCH, 3, 6, 6)
+    optimized = fold(model, (x,), "training")
+    assert "frozen_bn = " in optimized.code
+    model[1].train()  # the result shares the BN module with the caller's model
+    with pytest.raises(fxopt.FxoptError, match="switched to train mode"):
+        optimized(x)
+    model[1].eval()
+    torch.testing.assert_close(optimized(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_refuses_statistics_the_graph_updates_in_place():
+    """Running stats the forward itself updates change every call, so a fold computed once would go stale."""
+    model = randomize(LayerBN(nn.Conv2d(4, 6, 3), nn.BatchNorm2d(6))).eval()
+    graph = torch.fx.Graph()  # written out: symbolic_trace runs `buffer.mul_()` eagerly instead of recording it
+    y = graph.call_module("layer", (graph.placeholder("x"),))
+    mean, var = graph.get_attr("bn.running_mean"), graph.get_attr("bn.running_var")
+    graph.call_method("mul_", (mean, 0.5))  # a hand-written statistics update
+    graph.output(graph.call_function(F.batch_norm, (y, mean, var), {"training": False}))
+    gm = torch.fx.GraphModule(model, graph)
+    propagate_shapes(gm, (torch.randn(2, 4, 6, 6),))
+    result = FoldConvBN().run(gm, PassContext("inference"))
+    assert dict(result.stats) == {"refused_state_written": 1}
+
+
+def test_refuses_statistics_a_train_mode_bn_updates_later():
+    """Eager autograd reads an eval BN's running stats at backward time, after a train-mode BN on the same buffers wrote them."""
+
+    class SharedStats(LayerBN):
+        def forward(self, x):
+            y = F.batch_norm(self.layer(x), self.bn.running_mean, self.bn.running_var, training=False)
+            return y + self.bn(x)
+
+    model = randomize(SharedStats(nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6, affine=False))).train()
+    assert_refused(model, (torch.randn(BATCH, 6, 5, 5),), "state_written", mode="training")

@@ -33,11 +33,16 @@ When it refuses (reason in the report):
   conv_has_other_users  the conv output is read by something besides the BN
   bn_training           the BN normalises with batch statistics (train mode, or no running stats)
   not_constant          a weight or statistic is computed in the graph rather than a parameter/buffer
+  state_written         a weight or statistic may be written by the graph itself (the same buffers
+                        updated by a train-mode BN or in place): the fold would go stale, and eager
+                        autograd reads an eval BN's running stats at backward time, after the write
   channel_axis_mismatch the layer's output channel is not dim 1: a conv on an unbatched input, or a
                         Linear output that is not 2-D
 
 A BN module's train/eval flag is read when the pass runs, as in torch.fx's `fuse` and Inductor's
-freezing: calling `.train()` on the result later does not bring batch statistics back.
+freezing. Where the BN module stays in the result (training), the folded graph checks each call
+that it is still in eval mode and raises FxoptError if the caller switched it to train mode,
+rather than silently computing the eval-mode result.
 """
 from __future__ import annotations
 
@@ -47,15 +52,24 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from ..analysis.aliasing import AliasInfo
 from ..analysis.ops import (BatchNormCall, ConvCall, LinearCall, is_constant, match_batch_norm, match_conv,
                             match_linear, materialize, resolve)
 from ..analysis.shapes import tensor_meta
+from ..analysis.side_effects import MUTATION, OPAQUE, STATS, effects
+from ..errors import FxoptError
 from .base import Pass, PassContext, PassResult
 
 
 def folded_conv_bn_params(weight, bias, running_mean, running_var, bn_weight, bn_bias, eps: float,
-                          transposed: bool = False, groups: int = 1):
-    """(weight, bias) of the single conv/linear that computes `conv -> batch_norm(eval)`."""
+                          transposed: bool = False, groups: int = 1, frozen_bn: torch.nn.Module | None = None):
+    """(weight, bias) of the single conv/linear that computes `conv -> batch_norm(eval)`.
+
+    `frozen_bn` is the BN module the fold assumes is in eval mode (checked each call), if there is one.
+    """
+    if frozen_bn is not None and frozen_bn.training:
+        raise FxoptError(f"{frozen_bn} was folded by fold_conv_bn in eval mode and has since been switched to "
+                         "train mode; put it back in eval mode or run fxopt.optimize again")
     scale = torch.rsqrt(running_var + eps)
     if bn_weight is not None:
         scale = scale * bn_weight
@@ -72,7 +86,32 @@ def folded_conv_bn_params(weight, bias, running_mean, running_var, bn_weight, bn
     return folded.to(weight.dtype), shift.to(weight.dtype)
 
 
-def _refusal(layer: ConvCall | LinearCall, bn: BatchNormCall, ctx: PassContext) -> tuple[str, str]:
+def _state_key(ref: fx.Node | str, gm: fx.GraphModule):
+    """What identifies the tensor behind a reference: the tensor itself, or the placeholder's name."""
+    value = resolve(ref, gm)
+    return id(value) if value is not None else ref.name
+
+
+def _written_state(gm: fx.GraphModule) -> set:
+    """Keys (see `_state_key`) of every parameter, buffer and input that some node may write into."""
+    aliases = AliasInfo(gm)
+    written = set()
+    for node in gm.graph.nodes:
+        if not effects(node, gm) & {MUTATION, STATS, OPAQUE}:
+            continue
+        owners = [gm.get_submodule(node.target)] if node.op == "call_module" else []
+        for alias in (a for arg in node.all_input_nodes for a in aliases.aliases(arg)):
+            value = resolve(alias, gm) if alias.op == "get_attr" else None
+            if isinstance(value, torch.nn.Module):
+                owners.append(value)
+            elif alias.op in ("get_attr", "placeholder"):
+                written.add(_state_key(alias, gm))
+        written |= {id(t) for owner in owners for t in (*owner.parameters(), *owner.buffers())}
+    return written
+
+
+def _refusal(gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, ctx: PassContext,
+             written: set) -> tuple[str, str]:
     """(reason, detail) for leaving this layer + BN pair as it is, or ("", "") to fold it."""
     if isinstance(layer, ConvCall) and layer.unsupported:
         return "unsupported_conv", layer.unsupported
@@ -88,6 +127,8 @@ def _refusal(layer: ConvCall | LinearCall, bn: BatchNormCall, ctx: PassContext) 
     refs = (layer.weight, layer.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
     if not all(is_constant(r, ctx.constant_inputs) for r in refs):
         return "not_constant", "a weight or statistic is computed in the graph"
+    if any(r is not None and _state_key(r, gm) in written for r in refs):
+        return "state_written", "a weight or statistic is also written by the graph (train-mode BN, in-place op)"
     batched_dims = layer.spatial_dims + 2 if isinstance(layer, ConvCall) else 2
     out = tensor_meta(layer.node)
     if out is None or out.dim() != batched_dims:
@@ -102,6 +143,7 @@ class FoldConvBN(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
+        written = _written_state(gm)
         for node in list(gm.graph.nodes):
             bn = match_batch_norm(node, gm)
             if bn is None or not isinstance(bn.input, fx.Node):
@@ -109,7 +151,7 @@ class FoldConvBN(Pass):
             layer = match_conv(bn.input, gm) or match_linear(bn.input, gm)
             if layer is None:
                 continue
-            reason, detail = _refusal(layer, bn, ctx)
+            reason, detail = _refusal(gm, layer, bn, ctx, written)
             if reason:
                 result.record("refused", node, reason, detail)
                 continue
@@ -133,8 +175,10 @@ class FoldConvBN(Pass):
                 bias = self._store(gm, f"{bn.node.name}_folded_bias", b)
             else:
                 args = tuple(materialize(r, gm) for r in refs)
-                folded = graph.call_function(folded_conv_bn_params, args,
-                                             {"eps": bn.eps, "transposed": transposed, "groups": groups})
+                kwargs = {"eps": bn.eps, "transposed": transposed, "groups": groups}
+                if bn.module is not None:
+                    kwargs["frozen_bn"] = graph.get_attr(bn.node.target)
+                folded = graph.call_function(folded_conv_bn_params, args, kwargs)
                 weight = graph.call_function(operator.getitem, (folded, 0))
                 bias = graph.call_function(operator.getitem, (folded, 1))
             if isinstance(layer, ConvCall):
