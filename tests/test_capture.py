@@ -88,6 +88,21 @@ class IntShapeModel(nn.Module):
         return nn.functional.avg_pool2d(y, width // 2)
 
 
+class AsksEveryShapeQuestion(nn.Module):
+    """Reads sizes every way Python code does: size(), size(i), shape, dim(), ndim, len(), dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = conv_bn(3, 4)
+
+    def forward(self, x):
+        y = self.stem(x)
+        if y.dim() != 4 or y.ndim != 4 or y.dtype != torch.float32:
+            raise ValueError("expected a float32 image batch")
+        batch, channels = len(y), y.size(1)
+        return y.reshape(batch, channels, y.shape[2] * y.size()[3]).mean(-1)
+
+
 class DataBranchModel(nn.Module):
     """Branches on the value of its input at the top, so no whole-model graph can exist."""
 
@@ -125,6 +140,16 @@ def test_shape_dependent_control_flow_in_a_submodule():
     inputs = (torch.randn(2, 3, 8, 8),)
     optimized, _ = check_equivalent_in_both_modes(ShapeBranchModel, inputs, min_folds=2)
     assert optimized.fxopt_report.opaque == []
+
+
+def test_every_shape_question_gets_the_examples_answer():
+    """size(), size(i), shape, dim(), ndim, len() and dtype all answer concretely, so the model is one graph."""
+    inputs = (torch.randn(2, 3, 8, 8),)
+    with pytest.raises(Exception):
+        fx.symbolic_trace(AsksEveryShapeQuestion())
+    optimized, _ = check_equivalent_in_both_modes(AsksEveryShapeQuestion, inputs, min_folds=1)
+    assert optimized.fxopt_report.graphs == [""] and optimized.fxopt_report.opaque == []
+    assert ".reshape(2, 4, 64)" in optimized.graph_module.code  # the example's sizes, baked in and guarded
 
 
 def test_shape_specialized_graph_runs_the_original_for_other_shapes():

@@ -105,31 +105,29 @@ class _ShapeProxy(fx.Proxy):
             return value
         return None
 
-    def _ask(self, attribute: str, *args):
+    def _answer(self, attribute: str, call_args: tuple | None = None):
+        """The example's answer for `attribute` (called with `call_args` if given), else what plain tracing records."""
         value = self._value()
-        if value is None:  # unknown value: record the call in the graph, as plain tracing does
-            return fx.Proxy.__getattr__(self, attribute)(*args) if attribute in ("size", "dim") else \
-                fx.Proxy.__getattr__(self, attribute)
-        answer = getattr(value, attribute)
-        return answer(*args) if attribute in ("size", "dim") else answer
+        found = getattr(value, attribute) if value is not None else fx.Proxy.__getattr__(self, attribute)
+        return found if call_args is None else found(*call_args)
 
     @property
     def shape(self):
-        return self._ask("shape")
+        return self._answer("shape")
 
     @property
     def ndim(self):
-        return self._ask("ndim")
+        return self._answer("ndim")
 
     @property
     def dtype(self):
-        return self._ask("dtype")
+        return self._answer("dtype")
 
     def size(self, *dim):
-        return self._ask("size", *dim)
+        return self._answer("size", dim)
 
     def dim(self):
-        return self._ask("dim")
+        return self._answer("dim", ())
 
     def __len__(self) -> int:
         value = self._value()
