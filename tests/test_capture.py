@@ -317,6 +317,19 @@ def test_hugging_face_cnns_are_captured_and_folded(make_model, min_folds):
     assert optimized.fxopt_report.graphs == [""]
 
 
+def test_hugging_face_resnet_fine_tuning_with_frozen_batch_norm_folds_on_the_fly():
+    """Training with eval-mode BNs (fine-tuning) folds every pair in the graph; gradients and buffers still match."""
+    torch.manual_seed(0)
+    model = randomize_bn(hf_resnet()).train()
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.eval()
+    optimized = optimize_fold(model, IMAGE)
+    assert optimized.fxopt_report.mode == "training"
+    assert optimized.fxopt_report["fold_conv_bn"].stats["folded"] == 8
+    assert_same_step(model, optimized, IMAGE, training=True)
+
+
 @pytest.mark.parametrize("make_model, inputs", [(hf_convnext, IMAGE), (hf_bert, TOKENS)])
 def test_hugging_face_partially_traceable_models(make_model, inputs):
     """ConvNext and BERT come back with their traceable blocks captured and every opaque module listed with a reason."""
