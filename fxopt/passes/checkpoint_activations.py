@@ -142,8 +142,10 @@ class CheckpointActivations(Pass):
         limit = amount * before.peak if kind == "fraction" else amount
         regions = plan_regions(profile, limit, allowed)
         if regions is None:
-            lowest = estimate(profile, plan_regions(profile, math.inf, allowed, objective="peak")).backward_peak
-            regions = plan_regions(profile, lowest, allowed)
+            lowest_plan = plan_regions(profile, math.inf, allowed, objective="peak")
+            lowest = estimate(profile, lowest_plan).backward_peak
+            cheapest = plan_regions(profile, lowest, allowed)  # the cheapest plan at that peak
+            regions = cheapest if cheapest is not None else lowest_plan
             result.record("refused", "<graph>", "budget_unreachable",
                           f"no plan fits {limit / 1e6:.2f} MB; lowest estimated peak {lowest / 1e6:.2f} MB")
         after = estimate(profile, regions)
