@@ -11,8 +11,15 @@ Two traps that silently invalidate such a comparison are avoided:
 Within each interpreter, eager and compiled calls alternate, so the latency ratio is measured
 under the same machine load (this machine's cores are shared).
 
-    python benchmarks/compile_inference.py            # all three models
-    python benchmarks/compile_inference.py --quick    # resnet18 only, fewer repeats
+Because load from other processes moves between interpreters, the variants are also compared
+side by side (`--side-by-side`): one interpreter per model compiles all three, each with its
+own backend object (Dynamo reuses compiled code only for an equal backend), freezing switched on
+only while its variant's first call compiles, and then calls eager and the three compiled
+models round-robin; medians and ratios come from those interleaved calls.
+
+    python benchmarks/compile_inference.py                  # cold compile + latency, one interpreter per variant
+    python benchmarks/compile_inference.py --side-by-side   # latency of all variants in one interpreter per model
+    python benchmarks/compile_inference.py --quick          # resnet18 only, fewer repeats
 """
 from __future__ import annotations
 
@@ -103,6 +110,55 @@ def measure(name: str, variant: str, repeats: int) -> dict:
     }
 
 
+def side_by_side(name: str, repeats: int) -> list[dict]:
+    """Run in a fresh interpreter: all variants of one model, called round-robin with eager."""
+    import copy
+
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from fxopt import _torch_private
+
+    model = build(name)
+    x = torch.randn(BATCH, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    calls = {"eager": model}
+    with torch.no_grad():
+        expected = model(x)
+        calls["inductor"] = torch.compile(copy.deepcopy(model), backend="inductor")
+        inductor_config.freezing = True  # Dynamo and Inductor read it while the first call compiles
+        calls["inductor+freezing"] = torch.compile(copy.deepcopy(model),
+                                                   backend=lambda gm, inputs: _torch_private.inductor_compile(
+                                                       gm, inputs, freezing=True))
+        calls["inductor+freezing"](x)
+        inductor_config.freezing = False
+        calls["fxopt"] = torch.compile(copy.deepcopy(model), backend="fxopt")
+        diffs = {v: float((fn(x) - expected).abs().max()) for v, fn in calls.items()}
+        times: dict[str, list[float]] = {v: [] for v in calls}
+        for _ in range(repeats + 2):
+            for variant, fn in calls.items():
+                start = time.perf_counter()
+                fn(x)
+                times[variant].append(time.perf_counter() - start)
+    medians = {v: statistics.median(t[2:]) * 1e3 for v, t in times.items()}
+    return [{"model": name, "variant": v, "median ms": ms, "speedup vs eager": medians["eager"] / ms,
+             "vs inductor+freezing": medians["inductor+freezing"] / ms, "max |diff|": diffs[v]}
+            for v, ms in medians.items()]
+
+
+def run_side_by_side(models=MODELS, repeats: int = 10) -> list[dict]:
+    rows = []
+    for name in models:
+        with tempfile.TemporaryDirectory(prefix="inductor_cache_") as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+            cmd = [sys.executable, __file__, "--side-by-side-child", name, "--repeats", str(repeats)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{name} side by side failed:\n{done.stderr[-3000:]}")
+        rows += json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"  done: {name} side by side", file=sys.stderr, flush=True)
+    return rows
+
+
 def run(models=MODELS, repeats: int = 10) -> list[dict]:
     rows = []
     for name in models:
@@ -135,15 +191,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="resnet18 only, 5 repeats")
     parser.add_argument("--models", nargs="*", choices=MODELS, help="models to run (default: all)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per variant (median shown)")
+    parser.add_argument("--side-by-side", action="store_true", help="all variants in one interpreter per model")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument("--side-by-side-child", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(*args.child, args.repeats)))
+        return
+    if args.side_by_side_child:
+        print(json.dumps(side_by_side(args.side_by_side_child, args.repeats)))
         return
     from tabulate import tabulate
 
     models = ("resnet18",) if args.quick and not args.models else tuple(args.models or MODELS)
     repeats = args.repeats or (5 if args.quick else 10)
+    if args.side_by_side:
+        print(f"batch {BATCH}, 3x{SIZE}x{SIZE}, float32, CPU, median of {repeats} round-robin calls, one interpreter")
+        print(tabulate(run_side_by_side(models, repeats), headers="keys", floatfmt=".3g"))
+        return
     rows = run(models, repeats)
     print(f"batch {BATCH}, 3x{SIZE}x{SIZE}, float32, CPU, median of {repeats} alternating calls")
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
