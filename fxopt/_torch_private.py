@@ -197,3 +197,12 @@ def profiler_memory_events(prof) -> list[tuple[int, int]]:
     `torch.profiler.profile(profile_memory=True)` run recorded, in time order."""
     events = prof.profiler.kineto_results.events()
     return sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+
+
+def set_reload_tracer(gm, tracer_cls) -> None:
+    """Make `torch.load` of a saved `gm` rebuild it by tracing its code with `tracer_cls`.
+
+    GraphModule pickles the class of the tracer that built it and constructs it without
+    arguments on load; fxopt's capture tracers take arguments.
+    """
+    gm._tracer_cls = tracer_cls

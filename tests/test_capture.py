@@ -416,3 +416,44 @@ def test_capture_leaves_plain_attributes_on_graph_modules():
     captured = capture(parent.eval(), (torch.rand(2, 3, 8, 8),))
     assert captured.module.child.graph_module.scale_name == "double"
     assert copy.deepcopy(captured.module.child.graph_module).scale_name == "double"
+
+
+class _AccumulatesIntoAFreshTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        acc = torch.zeros(6, 8)  # fx runs this once at trace time and stores the result
+        acc.add_(self.linear(x))
+        return acc
+
+
+def test_tensor_created_in_forward_and_written_stays_fresh_every_call():
+    """A tensor made in forward and written in place must not accumulate across calls of the traced graph."""
+    model = _AccumulatesIntoAFreshTensor().eval()
+    x = torch.randn(6, 8)
+    optimized = fxopt.optimize(model, x)
+    for _ in range(3):
+        torch.testing.assert_close(optimized(x), model(x))
+
+
+def test_tracing_adds_no_attributes_to_the_callers_model():
+    """fx stores trace-time constants on the traced module; fxopt must take them off the caller's model."""
+    model = _AccumulatesIntoAFreshTensor().eval()
+    before = set(vars(model))
+    fxopt.optimize(model, torch.randn(6, 8))
+    assert set(vars(model)) == before
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_optimized_module_survives_torch_save_and_load(mode, tmp_path):
+    """torch.load rebuilds a GraphModule by tracing its code: fxopt's graph helpers must stay single calls."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4))
+    model.train(mode == "training")
+    model[1].eval()
+    x = torch.randn(2, 3, 8, 8)
+    optimized = fxopt.optimize(model, x, mode=mode)
+    torch.save(optimized, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert_same_step(optimized, loaded, (x,), training=mode == "training")

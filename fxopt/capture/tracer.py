@@ -26,7 +26,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import _torch_private
 from ..errors import FxoptError
+from ..graph_functions import RetraceTracer, graph_functions
+from .constants import protect_traced_constants
 from .state import preserved_state
 
 
@@ -65,7 +68,7 @@ class _LocatingTracer(fx.Tracer):
     """
 
     def __init__(self, opaque_paths: set[str]):
-        super().__init__()
+        super().__init__(autowrap_functions=graph_functions())
         self.opaque_paths = opaque_paths
         self.fixed_varargs: dict[str, Any] = {}
 
@@ -229,16 +232,24 @@ def _trace(module: torch.nn.Module, concrete_args: dict | None, example_values: 
             tracer = _LocatingTracer(set(opaque))
         else:
             tracer = _ShapeTracer(set(opaque), example_values)
+        attributes_before = set(vars(module))
         try:
             with preserved_state(module):
                 graph = tracer.trace(module, concrete_args=concrete_args)
+            gm = fx.GraphModule(tracer.root, graph, module.__class__.__name__)
         except Exception as e:  # noqa: BLE001 - any tracing failure is handled the same way
             path = getattr(e, "_fxopt_module_path", "")
             if path == "" or path in opaque or not retries:
                 return Traced(None, [OpaqueModule("", type(module).__name__, _describe(e))])
             opaque[path] = OpaqueModule(path, type(module.get_submodule(path)).__name__, _describe(e))
             continue
-        gm = fx.GraphModule(tracer.root, graph, module.__class__.__name__)
+        finally:
+            # fx stores trace-time constants (`_tensor_constant0`) on the traced module itself: the
+            # GraphModule has its own reference now, and the caller's module must stay as it was.
+            for name in set(vars(module)) - attributes_before:
+                delattr(module, name)
+        _torch_private.set_reload_tracer(gm, RetraceTracer)
+        protect_traced_constants(gm)
         return Traced(gm, list(opaque.values()), getattr(tracer, "specialized", False))
     raise FxoptError(f"tracing {type(module).__name__} did not converge")  # pragma: no cover
 

@@ -22,8 +22,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..analysis.side_effects import import_by_name
+from ..graph_functions import graph_function
 
 
+@graph_function
 def call_without_grad(target, *args, **kwargs):
     """`target(*args, **kwargs)` under `torch.no_grad()`; `target` is a module or an importable function name.
 
@@ -34,6 +36,7 @@ def call_without_grad(target, *args, **kwargs):
         return function(*args, **kwargs)
 
 
+@graph_function
 def call_method_without_grad(name: str, self, *args, **kwargs):
     """`self.name(*args, **kwargs)` under `torch.no_grad()`."""
     with torch.no_grad():
@@ -66,6 +69,7 @@ class _ConvSavingWhatGradsNeed(torch.autograd.Function):
         return (*(g if needed else None for g, needed in zip(grads, mask)), None, None, None, None, None, None)
 
 
+@graph_function
 def conv_saving_what_grads_need(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """`torch.convolution(...)` whose backward keeps the input only if the weight needs a gradient."""
     return _ConvSavingWhatGradsNeed.apply(x, weight, bias, stride, padding, dilation, transposed, output_padding,
@@ -75,6 +79,7 @@ def conv_saving_what_grads_need(x, weight, bias, stride, padding, dilation, tran
 conv_saving_what_grads_need.fxopt_op_name = "conv_saving_what_grads_need"  # read by analysis.saved_tensors
 
 
+@graph_function
 def eval_batch_norm_scale_shift(running_mean, running_var, weight, bias, eps: float, ndim: int):
     """(scale, shift), shaped to broadcast over an `ndim`-D input, with eval BN(x) == x * scale + shift."""
     scale = torch.rsqrt(running_var + eps)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..graph_functions import graph_function
+
 
 class _ReluMask(torch.autograd.Function):
     @staticmethod
@@ -27,10 +29,12 @@ class _ReluMask(torch.autograd.Function):
         return torch.where(mask, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None
 
 
+@graph_function
 def relu_mask(x: torch.Tensor) -> torch.Tensor:
     return _ReluMask.apply(x, False)
 
 
+@graph_function
 def relu_mask_(x: torch.Tensor) -> torch.Tensor:
     return _ReluMask.apply(x, True)
 

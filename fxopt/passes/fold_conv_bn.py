@@ -58,9 +58,11 @@ from ..analysis.ops import (BatchNormCall, ConvCall, LinearCall, is_constant, ma
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import MUTATION, OPAQUE, STATS, effects
 from ..errors import FxoptError
+from ..graph_functions import graph_function
 from .base import Pass, PassContext, PassResult
 
 
+@graph_function
 def folded_conv_bn_params(weight, bias, running_mean, running_var, bn_weight, bn_bias, eps: float,
                           transposed: bool = False, groups: int = 1, frozen_bn: torch.nn.Module | None = None):
     """(weight, bias) of the single conv/linear that computes `conv -> batch_norm(eval)`.
