@@ -24,10 +24,13 @@ fits, the plan with the lowest estimated peak, and the report says so.
 
 Why it is safe: a recomputed region computes the same values from the same inputs; the
 non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
-same mask; parameters are shared, so gradients accumulate into the same tensors.
+same mask; a train-mode BatchNorm updates its running statistics on the first run only;
+parameters are shared, so gradients accumulate into the same tensors.
 
 When a node stays out of every region (reason in the report):
-  bn_training           a train-mode BatchNorm: recomputing it would update its running statistics twice
+  bn_training           a train-mode BatchNorm in functional form, or a subclass: recomputing it would
+                        update its running statistics twice (nn.BatchNorm1d/2d/3d modules may be
+                        recomputed: their recomputation leaves the statistics alone, `batch_norm_once`)
   mutation              an in-place op: recomputing after it ran would read the mutated tensor
   already_checkpointed  a region the user (or an earlier run) checkpointed: left as it is
   unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
@@ -49,7 +52,7 @@ from ..analysis.ops import match_batch_norm
 from ..analysis.saved_tensors import op_name
 from ..errors import FxoptError
 from ._checkpoint_plan import plan_regions
-from ._checkpoint_region import CheckpointedRegion, extract_region
+from ._checkpoint_region import CheckpointedRegion, extract_region, is_train_batch_norm_module
 from .base import TRAINING, Pass, PassContext, PassResult
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -88,7 +91,7 @@ def _barrier(node: fx.Node, gm: fx.GraphModule) -> str:
     if node.op == "call_function" and node.target is torch.utils.checkpoint.checkpoint:
         return "already_checkpointed"
     bn = match_batch_norm(node, gm)
-    if bn is not None and bn.training is not False:
+    if bn is not None and bn.training is not False and not is_train_batch_norm_module(node, gm):
         return "bn_training"
     name = op_name(node, gm)
     if name is None:
