@@ -59,13 +59,15 @@ def _flops(forward, inputs: tuple) -> int:
     return counter.get_total_flops()
 
 
-def _median_seconds(forward, inputs: tuple, repeats: int) -> float:
-    times = []
+def _median_seconds(forwards: list, inputs: tuple, repeats: int) -> list[float]:
+    """Median step time of each forward, timed round-robin so a busy machine slows all alike."""
+    times = [[] for _ in forwards]
     for _ in range(repeats):
-        start = time.perf_counter()
-        _step(forward, inputs)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for i, forward in enumerate(forwards):
+            start = time.perf_counter()
+            _step(forward, inputs)
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def _variants(model, inputs, compile_too: bool):
@@ -86,19 +88,25 @@ def _variants(model, inputs, compile_too: bool):
 
 
 def run(repeats: int, compile_too: bool = False) -> list[dict]:
+    """One row per variant. Eager variants are timed round-robin at the end; a compiled one right
+    after its compile (the next budget's `torch._dynamo.reset()` would recompile it)."""
     torch.manual_seed(0)
     model, inputs = deep_mlp(), (torch.randn(256, 512),)
-    rows, eager = [], None
+    rows, round_robin = [], []
     for name, owner, forward in _variants(model, inputs, compile_too):
-        peak = allocator_peak(owner, inputs, forward)
-        flops = _flops(forward, inputs) if not name.startswith("torch.compile") else None
-        seconds = _median_seconds(forward, inputs, repeats)
-        owner.zero_grad(set_to_none=True)
-        eager = eager or (peak, flops, seconds)
-        rows.append({"variant": name, "peak MB": peak / 1e6, "peak / eager": peak / eager[0],
-                     "FLOPs / eager": flops / eager[1] if flops is not None else "-",
-                     "step ms": seconds * 1e3, "time / eager": seconds / eager[2]})
-    return rows
+        compiled = name.startswith("torch.compile")
+        rows.append({"variant": name, "peak MB": allocator_peak(owner, inputs, forward) / 1e6,
+                     "FLOPs": None if compiled else _flops(forward, inputs),
+                     "seconds": _median_seconds([forward], inputs, repeats)[0] if compiled else None})
+        if not compiled:
+            round_robin.append((rows[-1], forward))
+    for (row, _), seconds in zip(round_robin, _median_seconds([f for _, f in round_robin], inputs, repeats)):
+        row["seconds"] = seconds
+    model.zero_grad(set_to_none=True)
+    eager = dict(rows[0])
+    return [{"variant": r["variant"], "peak MB": r["peak MB"], "peak / eager": r["peak MB"] / eager["peak MB"],
+             "FLOPs / eager": r["FLOPs"] / eager["FLOPs"] if r["FLOPs"] is not None else None,
+             "step ms": r["seconds"] * 1e3, "time / eager": r["seconds"] / eager["seconds"]} for r in rows]
 
 
 def main() -> None:
