@@ -78,7 +78,11 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
                     whole = Region(i, stop)
                     if label.kept + profile.region_recompute_bytes(whole) - held_bytes > budget:
                         break  # recomputing it alone would exceed the budget, and longer regions more
-                    for region in (whole, Region(i, stop, save_counted=True)):
+                    variants = [whole]
+                    selective = Region(i, stop, save_counted=True)
+                    if profile.region_cost(selective) < profile.region_cost(whole):  # it has a matmul to keep
+                        variants.append(selective)
+                    for region in variants:
                         effect = segment_effect(profile, held, label.kept, region)
                         if effect.peak <= budget:
                             add(stop, effect.held, _Label(effect.kept_bytes, label.cost + profile.region_cost(region),
