@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import transformers
+from torch.utils.checkpoint import checkpoint
 
 import fxopt
 from equivalence import assert_same_step, assert_state_unchanged, state_snapshot
@@ -457,3 +458,22 @@ def test_optimized_module_survives_torch_save_and_load(mode, tmp_path):
     torch.save(optimized, tmp_path / "m.pt")
     loaded = torch.load(tmp_path / "m.pt", weights_only=False)
     assert_same_step(optimized, loaded, (x,), training=mode == "training")
+
+
+class _HandCheckpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_users_checkpoint_calls_are_kept_not_inlined():
+    """Tracing through torch.utils.checkpoint would silently drop the checkpointing the user asked for."""
+    model = _HandCheckpointed().train()
+    x = torch.randn(4, 8, requires_grad=True)
+    optimized = fxopt.optimize(model, x)
+    assert "checkpoint" in optimized.code and "wrap(" not in optimized.code
+    assert_same_step(model, optimized, (x,), training=True)

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..errors import FxoptError
-from ..graph_functions import RetraceTracer, graph_functions
+from ..graph_functions import RetraceTracer, forget_wrapped_calls, graph_functions
 from .constants import protect_traced_constants
 from .state import preserved_state
 
@@ -75,7 +75,7 @@ class _LocatingTracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         concrete_args = dict(concrete_args or {})
         self.fixed_varargs = {name: concrete_args.pop(name) for name in list(concrete_args) if name.startswith("*")}
-        return super().trace(root, concrete_args or None)
+        return forget_wrapped_calls(super().trace(root, concrete_args or None))
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         if kind == "placeholder" and target in self.fixed_varargs:
