@@ -477,3 +477,25 @@ def test_users_checkpoint_calls_are_kept_not_inlined():
     optimized = fxopt.optimize(model, x)
     assert "checkpoint" in optimized.code and "wrap(" not in optimized.code
     assert_same_step(model, optimized, (x,), training=True)
+
+
+class _CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.linear(x) * self.calls
+
+
+def test_in_place_buffer_update_reaches_the_graph():
+    """`self.calls.add_(1)` must run on every call, not once at trace time on the caller's buffer."""
+    model, twin = _CountsCalls().eval(), _CountsCalls().eval()
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4)
+    optimized = fxopt.optimize(twin, x)
+    assert float(twin.calls) == 0  # optimizing ran nothing on the caller's buffer
+    for _ in range(3):
+        torch.testing.assert_close(optimized(x), model(x))

@@ -69,6 +69,9 @@ class _LocatingTracer(fx.Tracer):
 
     def __init__(self, opaque_paths: set[str]):
         super().__init__(autowrap_functions=graph_functions())
+        # Buffers as get_attr proxies: otherwise `self.count.add_(1)` runs once at trace time
+        # (on the caller's buffer) and never reaches the graph.
+        self.proxy_buffer_attributes = True
         self.opaque_paths = opaque_paths
         self.fixed_varargs: dict[str, Any] = {}
 
