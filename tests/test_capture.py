@@ -499,3 +499,14 @@ def test_in_place_buffer_update_reaches_the_graph():
     assert float(twin.calls) == 0  # optimizing ran nothing on the caller's buffer
     for _ in range(3):
         torch.testing.assert_close(optimized(x), model(x))
+
+
+def test_hugging_face_model_output_keeps_its_type():
+    """fx turns a returned ModelOutput into a plain dict; users index it by attribute and position."""
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1])
+    model = transformers.ResNetModel(config).eval()
+    x = torch.randn(2, 3, 32, 32)
+    expected, got = model(x), fxopt.optimize(model, x)(x)
+    assert type(got) is type(expected)
+    torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state)
+    torch.testing.assert_close(got[1], expected[1])

@@ -24,6 +24,7 @@ import torch.fx as fx
 from ..errors import FxoptError
 from .specialized import Specialization, SpecializedCall, is_specializable, tensor_spec
 from .stand_in import stand_in_for
+from .outputs import output_type_name
 from .state import flipped_mode, record_submodule_calls
 from .tracer import OpaqueModule, trace_with_opaque_leaves
 
@@ -37,6 +38,7 @@ class CapturedGraph:
     path: str
     gm: fx.GraphModule
     example_inputs: tuple
+    output_type: str | None = None  # import path of a dict-subclass result fx turned into a dict
 
 
 @dataclasses.dataclass
@@ -108,7 +110,8 @@ class _Capturer:
         self.graphs: list[CapturedGraph] = []
         self.opaque: list[OpaqueModule] = []
         self.specialized: list[Specialization] = []
-        self.calls = record_submodule_calls(model, example_inputs)
+        self.outputs: dict[str, object] = {}
+        self.calls = record_submodule_calls(model, example_inputs, self.outputs)
 
     def capture_call(self, module, path: str, args: tuple, kwargs: dict) -> torch.nn.Module:
         """Capture `module` as called with (args, kwargs); return what should stand in its place."""
@@ -128,7 +131,7 @@ class _Capturer:
         gm = traced.gm
         mode_bound = _depends_on_training_flag(module, call, (args, kwargs), gm)
         stand_in_for(module, gm)
-        self.graphs.append(CapturedGraph(path, gm, call.values))
+        self.graphs.append(CapturedGraph(path, gm, call.values, output_type_name(self.outputs.get(path))))
         for leaf in traced.opaque:
             self.opaque.append(dataclasses.replace(leaf, path=_join(path, leaf.path)))
             original = gm.get_submodule(leaf.path)

@@ -42,8 +42,11 @@ def _describe_values(values) -> str:
     return ", ".join(shapes) or "no tensors"
 
 
-def record_submodule_calls(model: torch.nn.Module, example_inputs: tuple) -> dict[str, tuple[tuple, dict]]:
+def record_submodule_calls(model: torch.nn.Module, example_inputs: tuple,
+                           outputs: dict[str, object] | None = None) -> dict[str, tuple[tuple, dict]]:
     """Run `model` once and return, for each submodule path, the (args, kwargs) of its first call.
+
+    With `outputs`, also fill it with each submodule path's first result.
 
     If the model rejects the inputs, raise FxoptError naming the innermost module that was
     running and the shapes it was given (the stack of modules is tracked with hooks).
@@ -56,8 +59,10 @@ def record_submodule_calls(model: torch.nn.Module, example_inputs: tuple) -> dic
             calls.setdefault(path, (args, kwargs))
             stack.append((path, mod, args, kwargs))
 
-        def leave(mod, args, output):
+        def leave(mod, args, output, path=path):
             stack.pop()
+            if outputs is not None:
+                outputs.setdefault(path, output)
 
         handles.append(sub.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(sub.register_forward_hook(leave))

@@ -7,6 +7,7 @@ import torch
 
 from ..analysis.shapes import propagate_shapes
 from ..capture import capture
+from ..capture.outputs import restore_output_type
 from ..errors import FxoptError
 from ..passes import PASSES
 from ..passes.base import PassContext
@@ -65,6 +66,8 @@ def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", pass
     report = PassManager(pipeline, instruments, verifier).run(captured.module, captured.graphs, ctx)
     report.opaque = captured.opaque
     report.specialized = captured.specialized
+    for g in captured.graphs:
+        restore_output_type(g.gm, g.output_type)
     result = captured.module
     result.fxopt_report = report
     return result
