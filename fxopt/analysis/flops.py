@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from .. import _torch_private
+from .costs import fake_call_arguments, placeholder_values
 
 
 def is_counted_op(op) -> bool:
@@ -52,12 +52,7 @@ class _Interpreting(torch.nn.Module):
 
 def node_flops(gm: fx.GraphModule) -> dict[str, int] | None:
     """Forward FLOPs of every call node of `gm`, or None if the graph cannot run on fake tensors."""
-    inputs = tuple(n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder"))
-    mode = _torch_private.detect_fake_mode(inputs) or _torch_private.fake_tensor_mode()
-    state = {name: mode.from_tensor(t)
-             for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]}
-    fake_inputs = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) and not _torch_private.is_fake(x) else x
-                        for x in inputs)
+    mode, state, fake_inputs = fake_call_arguments(gm, placeholder_values(gm))
     runner = _Interpreting(gm)
     try:
         with mode, torch.no_grad():
