@@ -182,14 +182,7 @@ class InspectResult:
         sites = self.report.sites_table()
         if sites:
             lines += ["", sites]
-        if self.report.opaque:
-            rows = [[o.path or "<model>", o.type, o.reason] for o in self.report.opaque]
-            lines += ["", "Opaque modules (run unchanged; their children may still be optimized):",
-                      tabulate(rows, headers=["module", "type", "why"])]
-        if self.report.specialized:
-            rows = [[s.path or "<model>", s.assumes] for s in self.report.specialized]
-            lines += ["", "Specialized graphs (any other call runs the original module):",
-                      tabulate(rows, headers=["module", "graph assumes"])]
+        lines += self.report.capture_sections()
         if self.report.opaque:
             lines += ["", "(estimates cover the captured graphs; code that stayed opaque outside them is not counted)"]
         if self.costs.stages[0] is None:

@@ -88,15 +88,22 @@ class Report:
         rows = [[p.name, s.node, s.action, s.reason, s.detail] for p in self.passes for s in p.sites]
         return tabulate(rows, headers=["pass", "node", "action", "reason", "detail"]) if rows else ""
 
-    def __str__(self) -> str:
-        parts = [f"fxopt report ({self.mode}, {len(self.graphs)} graph(s))", self.summary_table()]
+    def capture_sections(self) -> list[str]:
+        """Lines listing the opaque modules and the specialized graphs (empty if there are none)."""
+        lines = []
         if self.opaque:
             rows = [[o.path or "<model>", o.type, o.reason] for o in self.opaque]
-            parts += ["", "Opaque modules (run unchanged):", tabulate(rows, headers=["module", "type", "why"])]
+            lines += ["", "Opaque modules (run unchanged; their children may still be optimized):",
+                      tabulate(rows, headers=["module", "type", "why"])]
         if self.specialized:
             rows = [[s.path or "<model>", s.assumes] for s in self.specialized]
-            parts += ["", "Specialized graphs (any other call runs the original module):",
+            lines += ["", "Specialized graphs (any other call runs the original module):",
                       tabulate(rows, headers=["module", "graph assumes"])]
+        return lines
+
+    def __str__(self) -> str:
+        parts = [f"fxopt report ({self.mode}, {len(self.graphs)} graph(s))", self.summary_table(),
+                 *self.capture_sections()]
         sites = self.sites_table()
         if sites:
             parts += ["", sites]
