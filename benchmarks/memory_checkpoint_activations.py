@@ -1,9 +1,9 @@
 """checkpoint_activations vs eager, checkpoint_sequential and torch.compile's activation_memory_budget.
 
 One training step (forward, sum loss, backward) of a deep MLP (24 x Linear-LayerNorm-GELU-Dropout,
-width 512, batch 256), per variant: the allocator's peak (torch.profiler memory events; parameter
-gradients exist before the step, so the figure is activations + temporaries, and it sees into
-compiled code too), FLOPs (FlopCounterMode, eager variants) and the median step time.
+width 512, batch 256), per variant: the allocator's peak (`fxopt.measure.measure_allocator_peak`:
+torch.profiler memory events, which see into compiled code too; parameter gradients exist before
+the step, so the figure is activations + temporaries), FLOPs (FlopCounterMode, eager variants) and the median step time.
 
     python benchmarks/memory_checkpoint_activations.py [--repeats 5] [--compile]
 
@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fxopt
 from fxopt import _torch_private
+from fxopt.measure import measure_allocator_peak
 
 BUDGETS = (1.0, 0.5, 0.25)
 
@@ -35,22 +36,6 @@ def deep_mlp(depth: int = 24, width: int = 512, p: float = 0.1) -> torch.nn.Sequ
 
 def _step(forward, inputs: tuple) -> None:
     forward(*inputs).sum().backward()
-
-
-def allocator_peak(model: torch.nn.Module, inputs: tuple, forward=None) -> int:
-    """Peak bytes allocated and alive at once during one training step (after one warm-up step)."""
-    forward = forward or model
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # gradients accumulate in place: not counted as step memory
-    _step(forward, inputs)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(forward, inputs)
-    model.zero_grad(set_to_none=True)
-    live = peak = 0
-    for _, nbytes in _torch_private.profiler_memory_events(prof):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def _flops(forward, inputs: tuple) -> int:
@@ -95,7 +80,7 @@ def run(repeats: int, compile_too: bool = False) -> list[dict]:
     rows, round_robin = [], []
     for name, owner, forward in _variants(model, inputs, compile_too):
         compiled = name.startswith("torch.compile")
-        rows.append({"variant": name, "peak MB": allocator_peak(owner, inputs, forward) / 1e6,
+        rows.append({"variant": name, "peak MB": measure_allocator_peak(owner, inputs, forward) / 1e6,
                      "FLOPs": None if compiled else _flops(forward, inputs),
                      "seconds": _median_seconds([forward], inputs, repeats)[0] if compiled else None})
         if not compiled:

@@ -6,6 +6,10 @@ while a step runs, through a dispatch mode, and frees them when their last refer
 that exist before the step (parameters, buffers, inputs) and the gradients left after it are not
 counted, so the figure is the activation + temporary memory of the step, deterministic on CPU.
 
+`measure_allocator_peak` reads the same figure from the allocator's own events
+(torch.profiler memory events): it also sees inside code compiled by torch.compile, where a
+dispatch mode sees only the eager ops around the compiled call.
+
 These are measurements for tests, benchmarks and the CLI; passes use estimates (fxopt.analysis).
 """
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ._torch_private import dispatch_mode_base, tree_leaves
+from ._torch_private import dispatch_mode_base, profiler_memory_events, tree_leaves
 
 
 class _LiveStorageMode(dispatch_mode_base()):
@@ -124,3 +128,27 @@ def measure_training_step(model: torch.nn.Module, inputs: tuple, loss_fn=None) -
         step()
     model.zero_grad(set_to_none=True)
     return StepCost(peak, counter.get_total_flops())
+
+
+def measure_allocator_peak(model: torch.nn.Module, inputs: tuple, forward=None) -> int:
+    """Peak bytes allocated and alive at once during one training step of `forward(*inputs)`, from
+    the allocator's events (after one warm-up step; `forward` defaults to `model`).
+
+    Parameter gradients exist before the measured step, so the figure is activations + temporaries.
+    """
+    forward = forward or model
+
+    def step():
+        forward(*inputs).sum().backward()
+
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # gradients accumulate in place: not counted as step memory
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    model.zero_grad(set_to_none=True)
+    live = peak = 0
+    for _, nbytes in profiler_memory_events(prof):
+        live += nbytes
+        peak = max(peak, live)
+    return peak

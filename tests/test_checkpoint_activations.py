@@ -1,9 +1,6 @@
 """checkpoint_activations: same training step, a measured peak under the budget, monotonic in it."""
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 import torch
 import torch.fx as fx
@@ -17,8 +14,14 @@ from fxopt.analysis.shapes import propagate_shapes
 from fxopt.passes.base import PassContext
 from fxopt.passes.checkpoint_activations import CheckpointActivations
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "benchmarks"))
-from memory_checkpoint_activations import allocator_peak, deep_mlp  # noqa: E402
+from fxopt.measure import measure_allocator_peak as allocator_peak
+
+
+def deep_mlp(depth: int, width: int, p: float = 0.1) -> torch.nn.Sequential:
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU(), torch.nn.Dropout(p)]
+    return torch.nn.Sequential(*layers)
 
 
 def _optimize(model, inputs, budget):
