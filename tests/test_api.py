@@ -137,3 +137,12 @@ def test_optimizing_a_result_again_changes_nothing(make_model, mode):
     assert isinstance(twice, SpecializedCall) == isinstance(once, SpecializedCall)
     assert all(not p.changed for p in twice.fxopt_report.passes)
     assert_same_step(model, twice, (X,), training=mode == "training")
+
+
+def test_inference_result_is_independent_of_the_callers_model():
+    """Moving or switching the inference result (`.double()`, `.train()`) must not touch the caller's model."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3)).eval()
+    optimized = fxopt.optimize(model, torch.randn(1, 3, 8, 8))
+    optimized.double().train()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not any(m.training for m in model.modules())

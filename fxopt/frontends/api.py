@@ -1,6 +1,7 @@
 """`fxopt.optimize`: capture a model, run the pipeline, return the optimized module with its report."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,14 @@ def _check_pass_names(passes) -> None:
                          f"available passes: {', '.join(PASSES)}")
 
 
+def _independent_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy for an inference result, or the model itself if it cannot be copied."""
+    try:
+        return copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 - e.g. a module holding a file handle: share, as in training
+        return model
+
+
 def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", passes: Sequence[str] | None = None,
              verify: bool = False, instruments: Sequence[Instrument] = (), **pass_options) -> torch.nn.Module:
     """Optimize `model` for `example_inputs`; the result carries `.fxopt_report`.
@@ -50,6 +59,10 @@ def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", pass
         training also gradients and buffers) and raise FxoptError at the first mismatch.
     instruments: observers of the pipeline (fxopt.pipeline.instruments).
     pass_options: options for the selected passes, e.g. memory_budget=0.5.
+
+    In inference the result owns a copy of the model's modules, so `.to()`, `.half()` or
+    `.train()` on it leave the caller's model alone; in training it shares them (and so the
+    parameters an optimizer updates).
     """
     if not isinstance(model, torch.nn.Module):
         raise FxoptError(f"expected a torch.nn.Module, got {type(model).__name__}")
@@ -57,7 +70,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", pass
     _check_pass_names(passes)
     mode = resolve_mode(mode, model.training)
     pipeline = build_pipeline(mode, passes, pass_options)
-    captured = capture(model, example_inputs)
+    captured = capture(_independent_copy(model) if mode == "inference" else model, example_inputs)
     for g in captured.graphs:
         propagate_shapes(g.gm, g.example_inputs)
     verifier = Verifier(model, example_inputs, training=mode == "training",
