@@ -4,7 +4,9 @@ A GraphModule is traced again when `torch.load` rebuilds it from its generated c
 `fxopt.optimize` is given a model fxopt already optimized. Tracing must not step into fxopt's
 own helpers (`folded_conv_bn_params`, `relu_mask`, the no-grad wrappers, ...): inside they do
 Python work on shapes and call autograd Functions. Each such helper is declared with
-`@graph_function`; `RetraceTracer` and fxopt's capture tracers keep them as leaf calls.
+`@graph_function`; `RetraceTracer` and fxopt's capture tracers keep them as leaf calls. The
+declaration also says what the helper does besides computing its result (`mutates`,
+`updates_stats`), which is what `fxopt.analysis.side_effects` reports for its calls.
 
 `torch.utils.checkpoint.checkpoint` is kept as a call too: tracing through it would inline the
 block and silently drop the activation checkpointing the user asked for. (A checkpoint of a
@@ -12,18 +14,39 @@ lambda cannot be a graph call; the module calling it then stays opaque and runs 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-_GRAPH_FUNCTIONS: list = []
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """What a graph helper does besides computing its result."""
+
+    mutates: bool = False  # writes into a tensor it is given
+    updates_stats: bool = False  # updates BatchNorm running statistics
 
 
-def graph_function(fn):
-    """Declare `fn` as emitted into graphs by a pass (see module docstring)."""
-    _GRAPH_FUNCTIONS.append(fn)
-    return fn
+_GRAPH_FUNCTIONS: dict = {}  # function -> Declared
+
+
+def graph_function(fn=None, *, mutates: bool = False, updates_stats: bool = False):
+    """Declare `fn` as emitted into graphs by a pass (see module docstring); bare, or with its effects."""
+    def declare(f):
+        _GRAPH_FUNCTIONS[f] = Declared(mutates, updates_stats)
+        return f
+
+    return declare(fn) if fn is not None else declare
+
+
+def declared(fn) -> Declared | None:
+    """What `fn` was declared to do, or None if it is not an fxopt graph helper."""
+    try:
+        return _GRAPH_FUNCTIONS.get(fn)
+    except TypeError:  # an unhashable callable
+        return None
 
 
 def graph_functions() -> tuple:

@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .. import _torch_private
+from ..graph_functions import declared
 
 MUTATION, RNG, STATS, IO, OPAQUE = "mutation", "rng", "stats", "io", "opaque"
 NO_EFFECTS: frozenset[str] = frozenset()
@@ -53,11 +54,6 @@ _MUTATING_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operat
                        operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
 _IO_METHODS = {"register_hook", "retain_grad", "backward", "record_stream", "__setitem__", "__delitem__"}
 _PURE_NAMESPACES = (operator, math)
-# fxopt's own helper functions that compute only their result.
-_PURE_FXOPT_FUNCTIONS = {"fxopt.passes.fold_conv_bn.folded_conv_bn_params",
-                         "fxopt.passes._frozen_ops.eval_batch_norm_scale_shift",
-                         "fxopt.passes._frozen_ops.conv_saving_what_grads_need",
-                         "fxopt.passes._frozen_ops.relu_saving_mask"}
 # fxopt's wrappers that run another callable without grad (fxopt.passes._frozen_ops): they have its effects.
 # The callable is their first argument: a submodule (get_attr), an importable function name, or a method name.
 WITHOUT_GRAD_WRAPPERS = {"fxopt.passes._frozen_ops.call_without_grad": "callable",
@@ -121,8 +117,9 @@ def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> froz
     name = getattr(fn, "__name__", "")
     if qualified_name(fn) in WITHOUT_GRAD_WRAPPERS:
         return _wrapped_effects(WITHOUT_GRAD_WRAPPERS[qualified_name(fn)], args[0], args[1:], kwargs, gm)
-    if qualified_name(fn) in _PURE_FXOPT_FUNCTIONS:
-        return NO_EFFECTS
+    helper = declared(fn)  # fxopt's own graph helpers declare their effects
+    if helper is not None:
+        return frozenset(kind for kind, flag in ((MUTATION, helper.mutates), (STATS, helper.updates_stats)) if flag)
     if isinstance(fn, _torch_private.op_overload_types()):
         kinds = {MUTATION} if _torch_private.op_is_mutable(fn) else set()
         if _torch_private.op_is_random(fn):

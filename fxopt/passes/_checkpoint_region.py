@@ -38,7 +38,7 @@ def _save_counted_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 TRAIN_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
 
 
-@graph_function
+@graph_function(updates_stats=True)
 def batch_norm_once(x: torch.Tensor, bn: torch.nn.Module, first_run: bool) -> torch.Tensor:
     """A train-mode BatchNorm: the module itself on the region's first run; when the region is
     recomputed, the same normalisation by batch statistics without touching the running ones."""

@@ -34,7 +34,7 @@ def relu_mask(x: torch.Tensor) -> torch.Tensor:
     return _ReluMask.apply(x, False)
 
 
-@graph_function
+@graph_function(mutates=True)
 def relu_mask_(x: torch.Tensor) -> torch.Tensor:
     return _ReluMask.apply(x, True)
 

@@ -50,6 +50,7 @@ import torch.utils.checkpoint
 from ..analysis.memory import Region, StepProfile, estimate, step_profile
 from ..analysis.ops import match_batch_norm
 from ..analysis.saved_tensors import op_name
+from ..analysis.side_effects import MUTATION, effects
 from ..errors import FxoptError
 from ._checkpoint_plan import plan_regions
 from ._checkpoint_region import CheckpointedRegion, extract_region, is_train_batch_norm_module
@@ -58,8 +59,6 @@ from .base import TRAINING, Pass, PassContext, PassResult
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)?\s*$", re.IGNORECASE)
-_IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
-                                 "ixor", "ilshift", "irshift", "imatmul", "setitem"})
 
 
 def parse_budget(value) -> tuple[str, float]:
@@ -96,7 +95,7 @@ def _barrier(node: fx.Node, gm: fx.GraphModule) -> str:
     name = op_name(node, gm)
     if name is None:
         return "unknown_op"
-    if (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_OPERATORS:
+    if MUTATION in effects(node, gm):
         return "mutation"
     return ""
 
