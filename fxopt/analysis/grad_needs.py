@@ -34,7 +34,6 @@ import torch.fx as fx
 from .. import _torch_private
 from .aliasing import AliasInfo
 from .saved_tensors import SavedForBackward
-from .shapes import tensor_meta
 from .side_effects import MUTATION, OPAQUE, WITHOUT_GRAD_WRAPPERS, effects, qualified_name
 
 _CALLS = ("call_function", "call_method", "call_module")

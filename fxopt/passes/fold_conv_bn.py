@@ -52,11 +52,10 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from ..analysis.aliasing import AliasInfo
 from ..analysis.ops import (BatchNormCall, ConvCall, LinearCall, is_constant, match_batch_norm, match_conv,
                             match_linear, materialize, resolve)
 from ..analysis.shapes import tensor_meta
-from ..analysis.side_effects import MUTATION, OPAQUE, STATS, effects
+from ..analysis.written_state import state_key, written_state
 from ..errors import FxoptError
 from ..graph_functions import graph_function
 from .base import Pass, PassContext, PassResult
@@ -88,30 +87,6 @@ def folded_conv_bn_params(weight, bias, running_mean, running_var, bn_weight, bn
     return folded.to(weight.dtype), shift.to(weight.dtype)
 
 
-def _state_key(ref: fx.Node | str, gm: fx.GraphModule):
-    """What identifies the tensor behind a reference: the tensor itself, or the placeholder's name."""
-    value = resolve(ref, gm)
-    return id(value) if value is not None else ref.name
-
-
-def _written_state(gm: fx.GraphModule) -> set:
-    """Keys (see `_state_key`) of every parameter, buffer and input that some node may write into."""
-    aliases = AliasInfo(gm)
-    written = set()
-    for node in gm.graph.nodes:
-        if not effects(node, gm) & {MUTATION, STATS, OPAQUE}:
-            continue
-        owners = [gm.get_submodule(node.target)] if node.op == "call_module" else []
-        for alias in (a for arg in node.all_input_nodes for a in aliases.aliases(arg)):
-            value = resolve(alias, gm) if alias.op == "get_attr" else None
-            if isinstance(value, torch.nn.Module):
-                owners.append(value)
-            elif alias.op in ("get_attr", "placeholder"):
-                written.add(_state_key(alias, gm))
-        written |= {id(t) for owner in owners for t in (*owner.parameters(), *owner.buffers())}
-    return written
-
-
 def _refusal(gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, ctx: PassContext,
              written: set) -> tuple[str, str]:
     """(reason, detail) for leaving this layer + BN pair as it is, or ("", "") to fold it."""
@@ -129,7 +104,7 @@ def _refusal(gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall
     refs = (layer.weight, layer.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
     if not all(is_constant(r, ctx.constant_inputs) for r in refs):
         return "not_constant", "a weight or statistic is computed in the graph"
-    if any(r is not None and _state_key(r, gm) in written for r in refs):
+    if any(r is not None and state_key(r, gm) in written for r in refs):
         return "state_written", "a weight or statistic is also written by the graph (train-mode BN, in-place op)"
     batched_dims = layer.spatial_dims + 2 if isinstance(layer, ConvCall) else 2
     out = tensor_meta(layer.node)
@@ -145,7 +120,7 @@ class FoldConvBN(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
-        written = _written_state(gm)
+        written = written_state(gm)
         for node in list(gm.graph.nodes):
             bn = match_batch_norm(node, gm)
             if bn is None or not isinstance(bn.input, fx.Node):

@@ -59,7 +59,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Hashable
 
-import torch
 import torch.fx as fx
 
 from .. import _torch_private
