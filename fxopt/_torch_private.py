@@ -206,3 +206,8 @@ def set_reload_tracer(gm, tracer_cls) -> None:
     arguments on load; fxopt's capture tracers take arguments.
     """
     gm._tracer_cls = tracer_cls
+
+
+def tensor_versions(tensors) -> list[int]:
+    """Each tensor's version counter (bumped by every in-place change)."""
+    return [t._version for t in tensors]

@@ -235,7 +235,7 @@ class FrozenInference:
         self.constant_positions = [i for i, n in enumerate(placeholders) if n.name in constant_inputs]
         self.runtime_positions = [i for i, n in enumerate(placeholders) if n.name not in constant_inputs]
         self.constants = [example_inputs[i] for i in self.constant_positions]
-        self.versions = [t._version for t in self.constants]
+        self.versions = _torch_private.tensor_versions(self.constants)
         self.unfrozen_graph = _copy_graph_module(gm)
         frozen_gm = _constants_as_attributes(gm, self.constant_positions, example_inputs)
         with torch.no_grad():
@@ -247,9 +247,9 @@ class FrozenInference:
         if self.unfrozen is None:
             constants = [args[i] for i in self.constant_positions]
             if all(a is c for a, c in zip(constants, self.constants)) and \
-                    [t._version for t in constants] == self.versions:
+                    _torch_private.tensor_versions(constants) == self.versions:
                 out = self.frozen(*[args[i] for i in self.runtime_positions])
-                self.versions = [t._version for t in constants]  # the graph's own buffer updates are fine
+                self.versions = _torch_private.tensor_versions(constants)  # the graph's own buffer updates are fine
                 return out
             warnings.warn("fxopt: a parameter changed after torch.compile froze it; this graph now runs a "
                           "non-frozen compile that recomputes the folded weights on every call", stacklevel=2)
