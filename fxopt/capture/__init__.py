@@ -23,8 +23,8 @@ import torch.fx as fx
 
 from ..errors import FxoptError
 from .specialized import Specialization, SpecializedCall, is_specializable, tensor_spec
-from .stand_in import stand_in_for
 from .outputs import output_type_name
+from .stand_in import stand_in_for
 from .state import flipped_mode, record_submodule_calls
 from .tracer import OpaqueModule, trace_with_opaque_leaves
 
