@@ -56,30 +56,32 @@ from ._checkpoint_plan import plan_regions
 from ._checkpoint_region import CheckpointedRegion, extract_region, is_train_batch_norm_module
 from .base import TRAINING, Pass, PassContext, PassResult
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)?\s*$", re.IGNORECASE)
 
 
 def parse_budget(value) -> tuple[str, float]:
-    """("fraction", f) for a float in (0, 1]; ("bytes", n) for an int or a string such as "512MB"."""
+    """("fraction", f) for a number in (0, 1] (1 and 1.0 alike); ("bytes", n) for a size with a unit ("512MB").
+
+    A bare number is always a fraction of the un-checkpointed peak: bytes need a unit, so that
+    `1` cannot silently mean one byte.
+    """
     if isinstance(value, str):
         match = _SIZE.match(value)
-        if match is None or (match.group(2) or "").lower() not in _UNITS:
-            raise FxoptError(f"memory_budget {value!r} is not a size; write it like '512MB', '1.5GiB' or '300000000'")
-        size = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+        if match is not None and match.group(2) is None:
+            return parse_budget(float(match.group(1)))
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise FxoptError(f"memory_budget {value!r} is not a size; write it like '512MB' or '1.5GiB'")
+        size = float(match.group(1)) * _UNITS[match.group(2).lower()]
         if size < 1:
             raise FxoptError(f"memory_budget {value!r} must be at least one byte")
         return "bytes", size
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise FxoptError(f"memory_budget must be a fraction in (0, 1], an int number of bytes or a size such as "
-                         f"'512MB', got {type(value).__name__}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise FxoptError(f"memory_budget {value} bytes must be positive")
-        return "bytes", float(value)
+        raise FxoptError(f"memory_budget must be a fraction in (0, 1] or a size with a unit such as '512MB', "
+                         f"got {type(value).__name__}")
     if not (0.0 < value <= 1.0) or math.isnan(value):
-        raise FxoptError(f"memory_budget {value} is not a fraction in (0, 1] (give bytes as an int or '512MB')")
+        raise FxoptError(f"memory_budget {value} is not a fraction in (0, 1]; give bytes with a unit, e.g. '512MB'")
     return "fraction", float(value)
 
 
@@ -113,8 +115,8 @@ class CheckpointActivations(Pass):
     name = "checkpoint_activations"
     summary = "Recompute cost-model-chosen regions in backward so the training step fits memory_budget."
     modes = (TRAINING,)
-    options = {"memory_budget": (None, "peak memory of a training step: fraction of the un-checkpointed "
-                                       "peak in (0, 1], bytes as an int, or a size such as '512MB'")}
+    options = {"memory_budget": (None, "peak memory of a training step: a fraction of the un-checkpointed "
+                                       "peak in (0, 1] (1 = no recomputation), or a size with a unit such as '512MB'")}
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
