@@ -8,6 +8,7 @@ original model. The same facts come out as JSON with `--json` (keys listed in `J
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.fx as fx
@@ -16,6 +17,7 @@ from tabulate import tabulate
 from .. import __version__
 from ..analysis.costs import Costs, estimate_costs, placeholder_values
 from ..pipeline.instruments import Instrument
+from ..errors import FxoptError
 from ..pipeline.report import PassReport, Report
 from .cli_loading import format_shape
 
@@ -29,7 +31,8 @@ JSON_KEYS = {
     "site": ("action", "node", "reason", "detail"),
     "estimated": ("flops_before", "flops_after", "saved_bytes_before", "saved_bytes_after"),
     "summary": ("passes_run", "passes_changed", "sites_changed", "sites_refused", "nodes_before", "nodes_after",
-                "flops_before", "flops_after", "saved_bytes_before", "saved_bytes_after", "seconds"),
+                "flops_before", "flops_after", "saved_bytes_before", "saved_bytes_after", "seconds",
+                "phase_seconds"),
 }
 
 
@@ -45,8 +48,16 @@ class CostEstimates(Instrument):
     def __init__(self, training: bool):
         self.training = training
         self.stages: list[Costs | None] = []  # stages[0]: captured input; stages[i]: after pass i
+        self.seconds = 0.0  # time spent estimating
 
     def _estimate(self, graphs: dict[str, fx.GraphModule]) -> Costs | None:
+        start = time.perf_counter()
+        try:
+            return self._sum(graphs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _sum(self, graphs: dict[str, fx.GraphModule]) -> Costs | None:
         parts = [estimate_costs(graphs[p], placeholder_values(graphs[p]), self.training) for p in _outermost(graphs)]
         if any(c is None for c in parts):
             return None
@@ -68,6 +79,31 @@ class CostEstimates(Instrument):
         }
 
 
+class PassProgress(Instrument):
+    """Say on the progress line which pass ran, with the time elapsed."""
+
+    def __init__(self, progress):
+        self.progress = progress
+
+    def start(self, graphs):
+        self.progress.status(f"captured {len(graphs)} graph(s); running the passes")
+
+    def after_pass(self, index, report, code_before, graphs):
+        self.progress.status(f"pass {index} ({report.name}) done")
+
+
+def phase_times(total: float, report: Report, costs: CostEstimates, recorder=None) -> dict[str, float]:
+    """Where the `total` seconds of an `optimize` call went: capture (with shape propagation and any
+    verification), the passes, the cost estimates, and the HTML page's measurements (`recorder`)."""
+    passes = sum(p.seconds for p in report.passes)
+    measuring = recorder.seconds if recorder is not None else 0.0
+    times = {"capture and checks": max(0.0, total - passes - costs.seconds - measuring), "passes": passes,
+             "estimates": costs.seconds}
+    if recorder is not None:
+        times["measuring memory"] = measuring
+    return times
+
+
 def _si(value: int | None, unit: str) -> str:
     if value is None:
         return "?"
@@ -78,15 +114,18 @@ def _si(value: int | None, unit: str) -> str:
 
 
 def human_bytes(n: int | None) -> str:
+    """Bytes with a binary unit and three or four significant digits: '4.00 MiB', '1020 KiB', '512 B'."""
     if n is None:
         return "?"
     for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
+        if abs(n) >= scale:
+            value = n / scale
+            digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+            return f"{value:.{digits}f} {unit}"
     return f"{n} B"
 
 
-def _change(before, after, fmt) -> str:
+def format_change(before, after, fmt) -> str:
     if before is None or after is None:
         return f"{fmt(before)} → {fmt(after)}"
     if before == after:
@@ -95,7 +134,7 @@ def _change(before, after, fmt) -> str:
     return f"{fmt(before)} → {fmt(after)}{ratio}"
 
 
-def _flops(n):
+def format_flops(n):
     return _si(n, "FLOP")
 
 
@@ -111,6 +150,14 @@ class InspectResult:
     inputs: tuple
     report: Report
     costs: CostEstimates
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)  # phase -> seconds (phase_times)
+    only: str | None = None  # list only "changed" or "refused" sites
+    pass_filter: str | None = None  # list only this pass's sites
+
+    def __post_init__(self):
+        names = [p.name for p in self.report.passes]
+        if self.pass_filter is not None and self.pass_filter not in names:
+            raise FxoptError(f"--pass {self.pass_filter!r}: no such pass ran; passes that ran: {', '.join(names)}")
 
     @property
     def training(self) -> bool:
@@ -140,6 +187,7 @@ class InspectResult:
             "flops_before": first and first.flops, "flops_after": last and last.flops,
             "saved_bytes_before": first and first.saved_bytes, "saved_bytes_after": last and last.saved_bytes,
             "seconds": sum(p.seconds for p in passes),
+            "phase_seconds": dict(self.timings),
         }
 
     def passes_table(self) -> str:
@@ -154,9 +202,9 @@ class InspectResult:
         for index, p in enumerate(self.report.passes, start=1):
             est = self.costs.around(index)
             row = [p.name, f"{p.nodes_before} → {p.nodes_after}", _what_happened(p),
-                   _change(est["flops_before"], est["flops_after"], _flops)]
+                   format_change(est["flops_before"], est["flops_after"], format_flops)]
             if self.training:
-                row.append(_change(est["saved_bytes_before"], est["saved_bytes_after"], human_bytes))
+                row.append(format_change(est["saved_bytes_before"], est["saved_bytes_after"], human_bytes))
             row.append(f"{p.seconds * 1e3:.1f} ms")
             if verified:
                 row.append("-" if p.max_abs_diff is None else f"{p.max_abs_diff:.2e}")
@@ -168,20 +216,30 @@ class InspectResult:
         parts = [f"{s['passes_run']} pass(es), {s['passes_changed']} changed the model",
                  f"{s['sites_changed']} site(s) rewritten, {s['sites_refused']} refused",
                  f"nodes {s['nodes_before']} → {s['nodes_after']}",
-                 f"FLOPs {_change(s['flops_before'], s['flops_after'], _flops)}"]
+                 f"FLOPs {format_change(s['flops_before'], s['flops_after'], format_flops)}"]
         if self.training:
-            parts.append(f"saved for backward {_change(s['saved_bytes_before'], s['saved_bytes_after'], human_bytes)}")
-        parts.append(f"{s['seconds'] * 1e3:.1f} ms")
+            parts.append(f"saved for backward {format_change(s['saved_bytes_before'], s['saved_bytes_after'], human_bytes)}")
+        if self.timings:
+            parts.append("time: " + ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.timings.items()))
+        else:
+            parts.append(f"{s['seconds'] * 1e3:.1f} ms")
         return "Summary: " + "; ".join(parts)
+
+    def _keep_site(self, p: PassReport, site) -> bool:
+        if self.pass_filter is not None and p.name != self.pass_filter:
+            return False
+        return self.only is None or site.refused == (self.only == "refused")
 
     def __str__(self) -> str:
         shapes = ", ".join(format_shape(x.shape) for x in self.inputs)
         dtype = str(self.inputs[0].dtype).removeprefix("torch.")
         lines = [f"fxopt inspect {self.spec}: {self.report.mode}, inputs {shapes} ({dtype}), "
                  f"{len(self.report.graphs)} graph(s)", "", self.passes_table()]
-        sites = self.report.sites_table()
+        sites = self.report.sites_table(self._keep_site)
         if sites:
             lines += ["", sites]
+        elif self.only or self.pass_filter:
+            lines += ["", "(no site matches --only / --pass)"]
         lines += self.report.capture_sections()
         if self.report.opaque:
             lines += ["", "(estimates cover the captured graphs; code that stayed opaque outside them is not counted)"]

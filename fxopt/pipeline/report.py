@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from tabulate import tabulate
@@ -84,8 +85,9 @@ class Report:
             headers.append("max |diff|")
         return tabulate(rows, headers=headers)
 
-    def sites_table(self) -> str:
-        rows = [[p.name, s.node, s.action, s.reason, s.detail] for p in self.passes for s in p.sites]
+    def sites_table(self, keep: Callable[[PassReport, Site], bool] = lambda p, s: True) -> str:
+        """Every site of every pass (those `keep(pass, site)` accepts), or "" if there are none."""
+        rows = [[p.name, s.node, s.action, s.reason, s.detail] for p in self.passes for s in p.sites if keep(p, s)]
         return tabulate(rows, headers=["pass", "node", "action", "reason", "detail"]) if rows else ""
 
     def capture_sections(self) -> list[str]:

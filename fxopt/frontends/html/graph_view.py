@@ -1,0 +1,223 @@
+"""A stage's graphs drawn as inline SVG, grouped by module path, with one pass's sites on them.
+
+Layout (ours, no dependency): the graph is cut into at most `MAX_UNITS` units -- module groups,
+expanded greedily (largest first) while the cut stays within the limit, so a 300-op transformer
+shows as its layers, and a group holding a single op shows as that op. Units go top to bottom in
+execution order; an edge to the next unit is a short arrow, a longer one (a residual connection)
+an arc on the right. Every group is a link to its own view (a `<details>` below, opened by the
+page's script), so any level can be expanded.
+
+Marks: a unit with a site the pass changed has a green border, one it refused an orange badge
+(the reasons are in the SVG `<title>`, shown on hover, and in the table beside); a checkpointed
+region is a dashed blue box around the units it covers; activations now kept as a bool mask, or
+no longer saved for backward, have a purple badge.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import html
+import math
+
+from ...passes.base import Site
+from .snapshots import NodeView
+
+MAX_UNITS = 28
+MASK_ACTIONS = {"masked": "bool mask"}
+NOT_SAVED_ACTIONS = {"no_grad": "not saved", "frozen_conv": "input not saved", "frozen_bn": "nothing saved",
+                     "detached": "not saved"}
+ROW, BOX_H, BOX_W, LEFT, ARC_SPACE = 50, 36, 470, 24, 200
+
+
+@dataclasses.dataclass
+class Unit:
+    key: tuple  # a group's module path, or ("#op", node name), or ("#ops", first node name) for a run
+    members: list[int]  # indices into the stage's nodes, in order
+
+    @property
+    def is_group(self) -> bool:
+        return self.key[:1] not in (("#op",), ("#ops",))
+
+
+def _split(nodes: list[NodeView], group: tuple, members: list[int]) -> list[Unit]:
+    """`group`'s members as its child groups and its own ops, in order of first appearance."""
+    units: dict[tuple, Unit] = {}
+    for i in members:
+        path = nodes[i].path
+        key = path[:len(group) + 1] if len(path) > len(group) else ("#op", nodes[i].name)
+        units.setdefault(key, Unit(key, [])).members.append(i)
+    return list(units.values())
+
+
+def _merge_op_runs(units: list[Unit], limit: int) -> list[Unit]:
+    """Consecutive single ops become one unit each run, when there are too many units."""
+    if len(units) <= limit:
+        return units
+    merged: list[Unit] = []
+    for u in units:
+        if not u.is_group and merged and not merged[-1].is_group:
+            merged[-1] = Unit(("#ops", merged[-1].key[1]), merged[-1].members + u.members)
+        else:
+            merged.append(u)
+    return merged
+
+
+def cut(nodes: list[NodeView], group: tuple = (), limit: int = MAX_UNITS) -> list[Unit]:
+    """The units to draw for the view of `group`: its children, groups expanded while within `limit`."""
+    members = [i for i, n in enumerate(nodes) if n.path[:len(group)] == group]
+    units = _split(nodes, group, members)
+    while True:
+        for u in sorted((u for u in units if u.is_group and len(u.members) > 1), key=lambda u: -len(u.members)):
+            children = _split(nodes, u.key, u.members)
+            if len(units) - 1 + len(children) <= limit or len(children) == 1:
+                position = units.index(u)
+                units[position:position + 1] = children
+                break
+        else:
+            break
+    units.sort(key=lambda u: u.members[0])
+    return _merge_op_runs(units, limit)
+
+
+def _unit_title(u: Unit, nodes: list[NodeView], group: tuple) -> tuple[str, str]:
+    """(bold label, small summary line)."""
+    if len(u.members) == 1 and not u.key[0] == "#ops":
+        n = nodes[u.members[0]]
+        where = ".".join(n.path[len(group):])
+        return (f"{where}: {n.label}" if where and where != n.label else n.label), n.shape
+    counts = collections.Counter(nodes[i].label for i in u.members)
+    ops = ", ".join(f"{label}×{k}" if k > 1 else label for label, k in counts.most_common(5))
+    more = ", …" if len(counts) > 5 else ""
+    name = ".".join(u.key[len(group):]) if u.is_group else f"{len(u.members)} ops"
+    return name or "(model)", f"{len(u.members)} ops: {ops}{more}"
+
+
+def _site_text(site: Site) -> str:
+    text = f"{site.node}: {site.action}"
+    if site.reason:
+        text += f" ({site.reason})"
+    if site.detail:
+        text += f" — {site.detail}"
+    return text
+
+
+@dataclasses.dataclass
+class _Marks:
+    changed: list[Site] = dataclasses.field(default_factory=list)
+    refused: list[Site] = dataclasses.field(default_factory=list)
+    badges: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+def _marks(units: list[Unit], nodes: list[NodeView], sites: list[Site],
+           previous: dict[str, NodeView]) -> list[_Marks]:
+    """What each unit shows of `sites`: a site on a node of the unit, or on a node the pass removed
+    from a module the unit covers."""
+    unit_of = {nodes[i].name: k for k, u in enumerate(units) for i in u.members}
+    marks = [_Marks() for _ in units]
+    for site in sites:
+        k = unit_of.get(site.node)
+        if k is None and site.node in previous:
+            path = previous[site.node].path
+            k = next((j for j, u in enumerate(units) if u.is_group and path[:len(u.key)] == u.key), None)
+        if k is None:
+            continue
+        (marks[k].refused if site.refused else marks[k].changed).append(site)
+        badge = MASK_ACTIONS.get(site.action) or NOT_SAVED_ACTIONS.get(site.action)
+        if badge:
+            marks[k].badges[badge] += 1
+    return marks
+
+
+def _badge(x: float, y: float, text: str, color: str) -> tuple[str, float]:
+    width = 7 * len(text) + 10
+    svg = (f'<rect class="b" x="{x - width:.0f}" y="{y}" width="{width}" height="15" rx="7" style="fill:{color}"/>'
+           f'<text x="{x - width / 2:.0f}" y="{y + 11}" text-anchor="middle" class="badge">{html.escape(text)}</text>')
+    return svg, x - width - 4
+
+
+def _regions(units: list[Unit], nodes: list[NodeView]) -> dict[str, tuple[int, int, int]]:
+    """Region name -> (first unit row, last unit row, nodes in it)."""
+    rows: dict[str, list[int]] = collections.defaultdict(list)
+    for k, u in enumerate(units):
+        for i in u.members:
+            if nodes[i].region:
+                rows[nodes[i].region].append(k)
+    return {name: (min(r), max(r), len(r)) for name, r in rows.items()}
+
+
+def render(nodes: list[NodeView], sites: list[Site], previous: dict[str, NodeView], group: tuple,
+           link) -> tuple[str, list[Unit]]:
+    """The SVG of `group`'s view and its units; `link(unit)` gives the anchor of a group's own view."""
+    units = cut(nodes, group)
+    marks = _marks(units, nodes, sites, previous)
+    row_of = {i: k for k, u in enumerate(units) for i in u.members}
+    edges = set()
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    for k, u in enumerate(units):
+        for i in u.members:
+            for name in nodes[i].inputs:
+                j = by_name.get(name)
+                if j is not None and j in row_of and row_of[j] != k:
+                    edges.add((row_of[j], k))
+    height = 16 + len(units) * ROW
+    width = LEFT + BOX_W + ARC_SPACE
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="graph" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}">',
+             '<defs><marker id="arrow" viewBox="0 0 8 8" refX="7" refY="4" markerWidth="6" markerHeight="6" '
+             'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>']
+
+    def top(k: int) -> float:
+        return 10 + k * ROW
+
+    for name, (first, last, count) in _regions(units, nodes).items():
+        y0, y1 = top(first) - 6, top(last) + BOX_H + 6
+        short = name.split(":")[-1]
+        parts.append(f'<g class="region"><title>{html.escape(name)}: {count} op(s) recomputed in backward'
+                     f'</title><rect x="{LEFT - 10}" y="{y0}" width="{BOX_W + 20}" height="{y1 - y0}" rx="8" '
+                     f'fill="#1f77b4" fill-opacity="0.06" stroke="#1f77b4" stroke-width="2" stroke-dasharray="6 4"/>'
+                     f'<text x="{LEFT + BOX_W + 14}" y="{y0 + 12}" class="region-label">↻ recomputed: '
+                     f'{html.escape(short)}</text></g>')
+    for a, b in sorted(edges):
+        if b == a + 1:
+            x = LEFT + BOX_W / 2
+            parts.append(f'<line x1="{x}" y1="{top(a) + BOX_H}" x2="{x}" y2="{top(b) - 1}" class="edge" '
+                         f'marker-end="url(#arrow)"/>')
+        else:
+            x = LEFT + BOX_W
+            bulge = min(ARC_SPACE - 20, 16 + 14 * math.log2(abs(b - a)))
+            ya, yb = top(a) + BOX_H / 2, top(b) + BOX_H / 2
+            parts.append(f'<path d="M{x},{ya} C{x + bulge},{ya} {x + bulge},{yb} {x + 2},{yb}" class="edge arc" '
+                         f'marker-end="url(#arrow)"/>')
+    for k, (u, m) in enumerate(zip(units, marks)):
+        y = top(k)
+        label, summary = _unit_title(u, nodes, group)
+        cls = "unit" + (" group" if u.is_group or u.key[0] == "#ops" else "") + (" changed" if m.changed else "") \
+            + (" refused" if m.refused else "")
+        tooltip = [label, summary] + [_site_text(s) for s in m.changed + m.refused]
+        tooltip += [f"{nodes[i].name}: {nodes[i].label} {nodes[i].shape}".rstrip() for i in u.members[:40]]
+        if len(u.members) > 40:
+            tooltip.append(f"… and {len(u.members) - 40} more")
+        body = [f'<title>{html.escape(chr(10).join(tooltip))}</title>',
+                f'<rect class="box" x="{LEFT}" y="{y}" width="{BOX_W}" height="{BOX_H}" rx="5"/>',
+                f'<text x="{LEFT + 8}" y="{y + 15}" class="label">{html.escape(label[:60])}</text>',
+                f'<text x="{LEFT + 8}" y="{y + 29}" class="summary">{html.escape(summary[:80])}</text>']
+        x = LEFT + BOX_W - 6
+        for text, color in ([(f"✓ {s.action}", "#2ca02c") for s in _first_actions(m.changed)]
+                            + ([(f"✗ refused {len(m.refused)}", "#ff7f0e")] if m.refused else [])
+                            + [(f"{b}" + (f" ×{c}" if c > 1 else ""), "#9467bd") for b, c in m.badges.items()]):
+            svg, x = _badge(x, y + 3, text, color)
+            body.append(svg)
+        anchor = link(u)
+        inner = "".join(body)
+        parts.append(f'<a href="#{anchor}" class="open">' f'<g class="{cls}">{inner}</g></a>' if anchor
+                     else f'<g class="{cls}">{inner}</g>')
+    parts.append("</svg>")
+    return "".join(parts), units
+
+
+def _first_actions(sites: list[Site]) -> list[Site]:
+    """One site per action (the badge says what happened; the count is in the title)."""
+    seen: dict[str, Site] = {}
+    for s in sites:
+        seen.setdefault(s.action, s)
+    return list(seen.values())[:2]
