@@ -5,13 +5,39 @@
     print(fast.fxopt_report)
 
     compiled = torch.compile(model, backend="fxopt")   # importing fxopt registers the backend
+
+The public names are imported on first use, so the `fxopt` command line parses its arguments
+without importing torch. When torch is already imported, importing fxopt registers the
+"fxopt" torch.compile backend at once; otherwise Dynamo finds it through the package's
+`torch_dynamo_backends` entry point, or on first use of any public name.
 """
-from . import _torch_private
+import importlib
+import sys
+
 from .errors import FxoptError
-from .frontends.api import available_passes, optimize
-from .frontends.backend import backend, fxopt_backend
 
-_torch_private.register_dynamo_backend("fxopt", fxopt_backend)
-
-__all__ = ["FxoptError", "available_passes", "backend", "optimize"]
 __version__ = "0.1.0"
+__all__ = ["FxoptError", "available_passes", "backend", "optimize"]
+
+_LAZY = {"optimize": ".frontends.api", "available_passes": ".frontends.api", "backend": ".frontends.backend",
+         "fxopt_backend": ".frontends.backend"}
+
+
+def _register_backend() -> None:
+    from . import _torch_private
+    from .frontends.backend import fxopt_backend
+
+    _torch_private.register_dynamo_backend("fxopt", fxopt_backend)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fxopt' has no attribute {name!r}")
+    _register_backend()
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+if "torch" in sys.modules:  # a library user: behave as before, the backend is there after `import fxopt`
+    _register_backend()

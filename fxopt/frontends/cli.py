@@ -4,36 +4,26 @@
     fxopt inspect MODEL --input-shape 8x3x224x224 [...]   what each pass did to MODEL
     fxopt bench MODEL --input-shape 8x3x224x224 [...]     eager vs fxopt latency (and peak memory)
 
-Any bad input ends with one line on stderr, `fxopt: error: ...`, and exit status 1 (2 for a
-malformed command line); `--debug` shows the traceback instead.
+Arguments are parsed before torch is imported (fxopt.frontends.cli_args), so `--help` and a
+mistyped command answer at once. Any bad input ends with one line on stderr, `fxopt: error: ...`,
+and exit status 1 (2 for a malformed command line); `--debug` shows the traceback instead.
+The user's code runs with a clean `sys.argv`, and with `--json` anything it prints goes to stderr.
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import sys
+import time
 
-from tabulate import tabulate
-
-from ..errors import FxoptError
-from ..passes import PASSES
-from ..pipeline.instruments import DumpStages, PrintDiff, PrintGraphs
-from ..pipeline.pipelines import DEFAULT_PIPELINES, ONLY_WITH_OPTION, build_pipeline
-from .api import optimize
-from .cli_loading import DTYPES, check_model_accepts, load_model, make_inputs, parse_shape
+from .cli_args import EXIT_USAGE, build_parser  # noqa: F401 - EXIT_USAGE is part of this module's interface
 
 EXIT_ERROR = 1
-EXIT_USAGE = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (argparse prints the whole usage first)."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parse_passes(text: str | None) -> list[str] | None:
+    from ..errors import FxoptError
+
     if text is None:
         return None
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -42,65 +32,12 @@ def _parse_passes(text: str | None) -> list[str] | None:
     return names
 
 
-def _parse_budget(text: str) -> float | int | str:
-    """'0.5' -> 0.5 (a fraction), '1000000' -> 1000000 (bytes), '512MB' -> '512MB'; the pass checks the range."""
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    return text
+def _passes_command(args, out) -> None:
+    from tabulate import tabulate
 
+    from ..passes import PASSES
+    from ..pipeline.pipelines import DEFAULT_PIPELINES, ONLY_WITH_OPTION
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL",
-                        help="package.module:attr or path/to/file.py:attr; attr is an nn.Module subclass "
-                             "(built with no arguments), a factory function, or a module instance")
-    parser.add_argument("--input-shape", action="append", required=True, metavar="SHAPE",
-                        help="shape of one model input, e.g. 8x3x224x224; repeat for several inputs")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                        help="dtype of the inputs (and of the model, for floating dtypes); default float32")
-    parser.add_argument("--mode", choices=list(DEFAULT_PIPELINES), default="inference",
-                        help="optimize for inference (default) or for a training step")
-    parser.add_argument("--passes", metavar="A,B", help="passes to run in order (default: the mode's pipeline)")
-    parser.add_argument("--memory-budget", type=_parse_budget, metavar="BUDGET",
-                        help="training peak-memory budget for checkpoint_activations: a fraction such as 0.5 "
-                             "(1.0 = no recomputation) or a size in bytes (300000000, 512MB)")
-    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="show the traceback of an error")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fxopt", description="fxopt: see what each graph pass does to a PyTorch model.")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-
-    passes = commands.add_parser("passes", help="list the passes, their modes and options")
-    passes.add_argument("--json", action="store_true", help="print the list as JSON")
-    passes.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-
-    inspect = commands.add_parser("inspect", help="run the pipeline on MODEL and show what each pass did",
-                                  epilog="example: fxopt inspect examples/seed_net.py:SeedNet "
-                                         "--input-shape 8x3x32x32 --diff")
-    _model_arguments(inspect)
-    inspect.add_argument("--show-graph", action="store_true", help="print the graph after each pass that changed it")
-    inspect.add_argument("--diff", action="store_true", help="print a unified diff of the code for each pass")
-    inspect.add_argument("--dump-dir", metavar="DIR", help="write every stage to DIR (00_input.py, 01_<pass>.py, ...)")
-    inspect.add_argument("--json", action="store_true", help="print the whole report as JSON (see README)")
-    inspect.add_argument("--verify", action="store_true",
-                         help="check the model against the original after each pass; show the max difference")
-
-    bench = commands.add_parser("bench", help="median latency (and training peak memory): eager vs fxopt",
-                                epilog="example: fxopt bench examples/seed_net.py:SeedNet --input-shape 8x3x32x32 "
-                                       "--mode training")
-    _model_arguments(bench)
-    bench.add_argument("--compile", action="store_true", help="also time torch.compile(model, backend='fxopt')")
-    bench.add_argument("--repeats", type=int, default=20, help="timed runs per variant (default 20)")
-    bench.add_argument("--warmup", type=int, default=3, help="untimed runs per variant first (default 3)")
-    return parser
-
-
-def _passes_command(args) -> None:
     rows = []
     for name, cls in PASSES.items():
         defaults = [m for m, pipeline in DEFAULT_PIPELINES.items() if name in pipeline]
@@ -110,66 +47,152 @@ def _passes_command(args) -> None:
                      "options": {opt: {"default": default, "help": text} for opt, (default, text) in cls.options.items()},
                      "default_in": defaults})
     if args.json:
-        print(json.dumps(rows, indent=2, default=repr))
+        print(json.dumps(rows, indent=2, default=repr), file=out)
         return
     table = [[r["name"], r["summary"], ", ".join(r["modes"]),
               "\n".join(f"{opt}={o['default']!r}: {o['help']}" for opt, o in r["options"].items()) or "-",
               ", ".join(r["default_in"]) or "-"] for r in rows]
     print(tabulate(table, headers=["pass", "summary", "modes", "options", "default pipeline"],
-                   maxcolwidths=[None, 44, None, 50, 18]))
+                   maxcolwidths=[None, 44, None, 50, 18]), file=out)
 
 
-def _prepare(args):
+def _dtypes(args) -> list[str]:
+    """One dtype per input: --dtype once for all, or once per --input-shape."""
+    from ..errors import FxoptError
+
+    given = args.dtype or ["float32"]
+    if len(given) == 1:
+        return given * len(args.input_shape)
+    if len(given) != len(args.input_shape):
+        raise FxoptError(f"--dtype given {len(given)} times for {len(args.input_shape)} --input-shape: give it "
+                         "once (for every input) or once per input, in the same order")
+    return given
+
+
+def _check_options(args, options: dict) -> None:
+    from ..errors import FxoptError
+    from ..pipeline.pipelines import build_pipeline
+
+    if args.memory_budget is not None and args.mode != "training":
+        raise FxoptError("--memory-budget bounds the memory of a training step: add --mode training")
+    build_pipeline(args.mode, _parse_passes(args.passes), options)  # unknown pass, wrong mode: fail before loading
+    if getattr(args, "dump_dir", None):
+        _check_writable_folder(args.dump_dir)
+    if getattr(args, "html", None):
+        from .html.plot import check_matplotlib
+        check_matplotlib()
+
+
+def _check_writable_folder(path: str) -> None:
+    import pathlib
+
+    from ..errors import FxoptError
+
+    folder = pathlib.Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise FxoptError(f"--dump-dir {path!r} is a file, not a folder: give a folder (it is created if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FxoptError(f"--dump-dir {path!r} cannot be created: {e.strerror}") from e
+
+
+def _prepare(args, progress):
     """Check everything the command line says, then load the model and make its inputs."""
+    from .cli_loading import check_model_accepts, load_model, make_inputs, parse_shape
+
     shapes = [parse_shape(s) for s in args.input_shape]
-    passes = _parse_passes(args.passes)
+    dtypes = _dtypes(args)
     options = {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
-    build_pipeline(args.mode, passes, options)  # unknown pass, wrong mode, stray option: fail before loading
+    _check_options(args, options)
+    inputs = make_inputs(shapes, dtypes, args.int_high)
+    progress.status(f"loading {args.model}")
     model = load_model(args.model)
-    inputs = make_inputs(shapes, args.dtype)
-    if inputs[0].is_floating_point():
-        model = model.to(inputs[0].dtype)
+    floating = [x.dtype for x in inputs if x.is_floating_point()]
+    if floating:
+        model = model.to(floating[0])
     model.train(args.mode == "training")
+    progress.status("checking the model runs on the inputs")
     check_model_accepts(model, inputs)
-    return model, inputs, passes, options
+    return model, inputs, _parse_passes(args.passes), options
 
 
-def _inspect_command(args) -> None:
-    from .cli_inspect import CostEstimates, InspectResult
+def _inspect_command(args, out) -> None:
+    from ..pipeline.instruments import DumpStages, PrintDiff, PrintGraphs
+    from .api import optimize
+    from .cli_inspect import CostEstimates, InspectResult, PassProgress, phase_times
+    from .cli_progress import Progress
 
-    model, inputs, passes, options = _prepare(args)
-    costs = CostEstimates(training=args.mode == "training")
-    stream = sys.stderr if args.json else sys.stdout  # keep stdout pure JSON
-    instruments = [costs]
+    progress = Progress("fxopt inspect", lines=False)
+    model, inputs, passes, options = _prepare(args, progress)
+    training = args.mode == "training"
+    costs = CostEstimates(training=training)
+    stream = sys.stderr if args.json else out  # keep stdout pure JSON
+    instruments = [costs, PassProgress(progress)]
+    recorder = None
+    if args.html:
+        from .html import PageRecorder
+        recorder = PageRecorder(inputs, training)
+        instruments += recorder.instruments
     if args.show_graph:
         instruments.append(PrintGraphs(stream))
     if args.diff:
         instruments.append(PrintDiff(stream))
     if args.dump_dir:
         instruments.append(DumpStages(args.dump_dir))
+    progress.status("capturing the model")
+    start = time.perf_counter()
     optimized = optimize(model, inputs, mode=args.mode, passes=passes, verify=args.verify,
                          instruments=instruments, **options)
-    result = InspectResult(args.model, inputs, optimized.fxopt_report, costs)
+    total = time.perf_counter() - start
+    timings = phase_times(total, optimized.fxopt_report, costs, recorder)
+    result = InspectResult(args.model, inputs, optimized.fxopt_report, costs, timings,
+                           only=args.only, pass_filter=args.pass_filter)
+    if args.html:
+        _write_html(args, model, optimized, inputs, recorder, result, progress)
+    progress.finish()
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2, default=str))
+        print(json.dumps(result.to_dict(), indent=2, default=str), file=out)
     else:
         if args.show_graph or args.diff:
-            print()
-        print(result)
+            print(file=out)
+        print(result, file=out)
+        if args.html:
+            print(f"\nHTML report: {args.html}", file=out)
 
 
-def _bench_command(args) -> None:
-    from .cli_bench import Progress, bench_table, run_bench
+def _write_html(args, model, optimized, inputs, recorder, result, progress) -> None:
+    from ..errors import FxoptError
+    from .html import describe_inputs
+    from .html.page import write_page
+
+    progress.phase("measuring the memory of a step, before and after")
+    start = time.perf_counter()
+    timelines = recorder.timelines(model, optimized)
+    result.timings["measuring memory"] = result.timings.get("measuring memory", 0.0) + time.perf_counter() - start
+    estimates = [result.costs.around(k) for k in range(1, len(result.report.passes) + 1)]
+    page = recorder.page(args.model, describe_inputs(inputs), result.report, timelines, estimates, result.timings)
+    try:
+        write_page(args.html, page)
+    except OSError as e:
+        raise FxoptError(f"cannot write --html {args.html!r}: {e.strerror}") from e
+
+
+def _bench_command(args, out) -> None:
+    from ..errors import FxoptError
+    from .cli_bench import bench_table, run_bench
+    from .cli_progress import Progress
 
     if args.repeats < 1 or args.warmup < 0:
         raise FxoptError("--repeats must be at least 1 and --warmup at least 0")
-    model, inputs, passes, options = _prepare(args)
+    progress = Progress("fxopt bench", lines=True)
+    model, inputs, passes, options = _prepare(args, progress)
     variants = run_bench(model, inputs, args.mode, passes, options, args.compile, args.repeats, args.warmup,
-                         Progress())
+                         progress)
     shapes = ", ".join(args.input_shape)
-    print(f"fxopt bench {args.model}: {args.mode}, inputs {shapes} ({args.dtype}), "
-          f"median of {args.repeats} runs after {args.warmup} warm-up")
-    print(bench_table(variants, args.mode == "training"))
+    print(f"fxopt bench {args.model}: {args.mode}, inputs {shapes} ({', '.join(_dtypes(args))}), "
+          f"{args.repeats} timed rounds after {args.warmup} warm-up, variants interleaved", file=out)
+    print(bench_table(variants, args.mode == "training"), file=out)
 
 
 COMMANDS = {"passes": _passes_command, "inspect": _inspect_command, "bench": _bench_command}
@@ -179,16 +202,38 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in text.strip().splitlines())
 
 
+@contextlib.contextmanager
+def _user_code_context(args):
+    """A clean `sys.argv` for the user's code; with --json, what it prints goes to stderr."""
+    saved = sys.argv
+    sys.argv = [getattr(args, "model", "fxopt").rpartition(":")[0] or "fxopt"]
+    quiet = contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()
+    try:
+        with quiet:
+            yield
+    finally:
+        sys.argv = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    out = sys.stdout
     try:
-        COMMANDS[args.command](args)
+        with _user_code_context(args):
+            COMMANDS[args.command](args, out)
     except KeyboardInterrupt:
         print("fxopt: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as e:  # only the user's code can raise it here: argparse is done
+        if args.debug:
+            raise
+        print(f"fxopt: error: the code of {getattr(args, 'model', 'the model')!r} called sys.exit({e.code!r}) "
+              "(raised SystemExit) while fxopt was running it", file=sys.stderr)
+        return EXIT_ERROR
     except Exception as e:  # noqa: BLE001 - the one place every error becomes a one-line message
         if args.debug:
             raise
+        from ..errors import FxoptError
         if isinstance(e, FxoptError):
             print(f"fxopt: error: {_one_line(str(e))}", file=sys.stderr)
         else:

@@ -2,8 +2,8 @@
 
 Each variant runs the same step: a forward under `no_grad` in inference; forward, a sum loss
 and backward in training (gradients cleared between steps). Runs are interleaved round by round,
-so drift in the machine's speed hits every variant alike; the table shows medians and the ratio
-to eager. In training the peak memory of one step is measured with `fxopt.measure.measure_peak`
+so drift in the machine's speed hits every variant alike; the table shows the spread of the
+rounds (min, quartiles, max around the median) and the per-round speedup over eager. In training the peak memory of one step is measured with `fxopt.measure.measure_peak`
 (live storages, parameters/buffers/inputs/gradients excluded); it cannot see inside a compiled
 graph, so the compiled variant has no peak figure.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -24,31 +23,7 @@ from ..measure import measure_peak
 from ..pipeline.verify import flatten_tensors
 from .api import optimize
 from .cli_inspect import human_bytes
-
-
-class Progress:
-    """A progress line on stderr: rewritten in place on a terminal, one line per phase otherwise."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stderr
-        self.interactive = self.stream.isatty()
-
-    def phase(self, text: str) -> None:
-        self._write(f"fxopt bench: {text}", final=not self.interactive)
-
-    def step(self, text: str, done: int, total: int) -> None:
-        if self.interactive:
-            self._write(f"fxopt bench: {text} {done}/{total}", final=False)
-
-    def finish(self) -> None:
-        if self.interactive:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-
-    def _write(self, text: str, final: bool) -> None:
-        prefix = "\r\033[K" if self.interactive else ""
-        self.stream.write(prefix + text + ("\n" if final else ""))
-        self.stream.flush()
+from .cli_progress import Progress
 
 
 @dataclasses.dataclass
@@ -121,20 +96,31 @@ def run_bench(model: torch.nn.Module, inputs: tuple, mode: str, passes, options:
     return variants
 
 
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
 def bench_table(variants: list[Variant], training: bool) -> str:
+    """Per variant: median latency with min / quartiles / max over the rounds, and the speedup over eager
+    (median of the per-round ratios -- rounds are interleaved -- and their quartiles)."""
     eager = variants[0]
-    eager_median = statistics.median(eager.times)
-    headers = ["variant", "median latency", "speedup vs eager", "setup"]
+    headers = ["variant", "median latency", "min", "q1–q3", "max", "speedup vs eager (q1–q3)", "setup"]
     if training:
         headers += ["peak memory", "vs eager"]
     rows = []
     for v in variants:
-        median = statistics.median(v.times)
-        row = [v.name, f"{median * 1e3:.2f} ms", f"{eager_median / median:.2f}x",
+        q1, median, q3 = _quartiles(v.times)
+        ratios = [e / t for e, t in zip(eager.times, v.times)]
+        r1, r2, r3 = _quartiles(ratios)
+        row = [v.name, f"{median * 1e3:.3f} ms", f"{min(v.times) * 1e3:.3f} ms", f"{q1 * 1e3:.3f}–{q3 * 1e3:.3f} ms",
+               f"{max(v.times) * 1e3:.3f} ms", f"{r2:.2f}x ({r1:.2f}–{r3:.2f})",
                "-" if v is eager else f"{v.setup_seconds:.2f} s"]
         if training:
             known = v.peak_bytes is not None
-            row += [human_bytes(v.peak_bytes) if known else "not measured",
-                    f"{v.peak_bytes / eager.peak_bytes:.2f}x" if known and eager.peak_bytes else "-"]
+            row += [f"{human_bytes(v.peak_bytes)} ({v.peak_bytes:,} B)" if known else "not measured",
+                    f"{v.peak_bytes / eager.peak_bytes:.3f}x" if known and eager.peak_bytes else "-"]
         rows.append(row)
     return tabulate(rows, headers=headers)

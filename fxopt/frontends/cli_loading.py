@@ -2,7 +2,7 @@
 
     load_model("package.module:attr" | "path/to/file.py:attr")   -> nn.Module
     parse_shape("8x3x224x224")                                     -> (8, 3, 224, 224)
-    make_inputs(shapes, dtype)                                     -> random example tensors
+    make_inputs(shapes, dtypes, int_high)                          -> random example tensors
     check_model_accepts(model, inputs)                             -> names the layer that rejects them
 
 `attr` may be an `nn.Module` subclass (constructed with no arguments), a factory function taking
@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import pathlib
 import re
@@ -22,9 +23,9 @@ import torch
 
 from ..capture.state import preserved_state
 from ..errors import FxoptError
+from .cli_args import DEFAULT_INT_HIGH, DTYPE_NAMES
 
-DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "float16", "bfloat16", "int64", "int32")}
-INTEGER_HIGH = 16  # integer inputs (token ids) are drawn from [0, INTEGER_HIGH)
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _SHAPE = re.compile(r"[1-9][0-9]*(x[1-9][0-9]*)*")
 
 
@@ -39,13 +40,42 @@ def format_shape(shape) -> str:
     return "x".join(str(s) for s in shape) if len(shape) else "scalar"
 
 
-def make_inputs(shapes: list[tuple[int, ...]], dtype: str) -> tuple[torch.Tensor, ...]:
-    """Random inputs, the same on every run (seeded): normal floats, or integers in [0, INTEGER_HIGH)."""
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on this platform
+        return None
+
+
+def _check_size(shapes: list[tuple[int, ...]], dtypes: list[str]) -> None:
+    """Inputs that cannot fit in this machine's memory are the user's mistake, said before allocating."""
+    total = sum(math.prod(s) * DTYPES[d].itemsize for s, d in zip(shapes, dtypes))
+    memory = _memory_bytes()
+    if memory is not None and total > memory // 2:
+        shapes_text = ", ".join(format_shape(s) for s in shapes)
+        raise FxoptError(f"--input-shape {shapes_text} needs {total / 2**30:.3g} GiB for the inputs alone, more than "
+                         f"half of this machine's {memory / 2**30:.3g} GiB of memory: give smaller shapes")
+
+
+def make_inputs(shapes: list[tuple[int, ...]], dtypes: list[str], int_high: int = DEFAULT_INT_HIGH
+                ) -> tuple[torch.Tensor, ...]:
+    """Random inputs, the same on every run (seeded): normal floats, or integers in [0, int_high)."""
+    if int_high < 1:
+        raise FxoptError(f"--int-high must be at least 1, got {int_high}")
+    _check_size(shapes, dtypes)
     generator = torch.Generator().manual_seed(0)
-    torch_dtype = DTYPES[dtype]
-    if torch_dtype.is_floating_point:
-        return tuple(torch.randn(s, generator=generator).to(torch_dtype) for s in shapes)
-    return tuple(torch.randint(0, INTEGER_HIGH, s, generator=generator, dtype=torch_dtype) for s in shapes)
+    inputs = []
+    try:
+        for shape, dtype in zip(shapes, dtypes):
+            torch_dtype = DTYPES[dtype]
+            if torch_dtype.is_floating_point:
+                inputs.append(torch.randn(shape, generator=generator).to(torch_dtype))
+            else:
+                inputs.append(torch.randint(0, int_high, shape, generator=generator, dtype=torch_dtype))
+    except (RuntimeError, MemoryError) as e:  # allocation failed
+        raise FxoptError(f"cannot allocate inputs {', '.join(format_shape(s) for s in shapes)}: "
+                         f"{(str(e).strip().splitlines() or [''])[0]}") from e
+    return tuple(inputs)
 
 
 def _import_file(path: pathlib.Path):
@@ -70,6 +100,9 @@ def _import_target(target: str):
         return importlib.import_module(target)
     except FxoptError:
         raise
+    except SystemExit as e:
+        raise FxoptError(f"cannot import {target!r}: it called sys.exit({e.code!r}) at import; put the code that runs "
+                         "the script under `if __name__ == \"__main__\":`") from e
     except Exception as e:  # noqa: BLE001 - whatever the user's module raised while importing
         raise FxoptError(f"cannot import {target!r}: {type(e).__name__}: {e}") from e
 
@@ -110,7 +143,7 @@ def _instantiate(obj, spec: str) -> torch.nn.Module:
                          "point at a function that takes no arguments and returns the model")
     try:
         result = obj()
-    except Exception as e:  # noqa: BLE001 - the user's constructor failed
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's constructor failed
         raise FxoptError(f"constructing {spec!r} failed: {type(e).__name__}: {e}") from e
     if not isinstance(result, torch.nn.Module):
         raise FxoptError(f"{spec!r} returned a {type(result).__name__}, not an nn.Module")
@@ -137,6 +170,13 @@ def _describe_inputs(args) -> str:
     return ", ".join(shapes) or "no tensors"
 
 
+def _wants_integers(inputs: tuple, layer, message: str) -> bool:
+    """Float inputs given to an embedding (or an op that asks for Long/Int indices)."""
+    if not any(x.is_floating_point() for x in inputs):
+        return False
+    return isinstance(layer, torch.nn.Embedding) or bool(re.search(r"\b(Long|Int)\b|indices", message))
+
+
 def check_model_accepts(model: torch.nn.Module, inputs: tuple) -> None:
     """Run `model(*inputs)` once (no grad, state restored); on failure name the innermost layer running.
 
@@ -155,15 +195,20 @@ def check_model_accepts(model: torch.nn.Module, inputs: tuple) -> None:
     try:
         with preserved_state(model):
             model(*inputs)
-    except Exception as e:  # noqa: BLE001 - the user's model rejected the inputs
-        dtype = str(inputs[0].dtype).removeprefix("torch.")
-        message = f"the model rejects inputs {_describe_inputs(inputs)} ({dtype})"
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's model rejected the inputs
+        dtypes = ", ".join(sorted({str(x.dtype).removeprefix("torch.") for x in inputs}))
+        message = f"the model rejects inputs {_describe_inputs(inputs)} ({dtypes})"
+        layer = None
         if running:
             path, layer, args = running[-1]
             where = f"layer {path!r}" if path else "the model's own forward"
             message += f": {where} ({type(layer).__name__}) called with {_describe_inputs(args)}"
         first_line = (str(e).strip().splitlines() or [""])[0]
-        raise FxoptError(f"{message} raised {type(e).__name__}: {first_line}") from e
+        if isinstance(e, SystemExit):
+            first_line = f"sys.exit({e.code!r}) was called"
+        hint = "" if not _wants_integers(inputs, layer, first_line) else \
+            "; the model wants integer token ids: add --dtype int64 (values drawn from [0, --int-high))"
+        raise FxoptError(f"{message} raised {type(e).__name__}: {first_line}{hint}") from e
     finally:
         for h in handles:
             h.remove()

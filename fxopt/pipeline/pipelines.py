@@ -1,6 +1,8 @@
 """Default pipelines, one literal tuple per mode, and the checks on what a caller asked for."""
 from __future__ import annotations
 
+import difflib
+
 from ..errors import FxoptError
 from ..passes import PASSES
 from ..passes.base import MODES, Pass
@@ -9,6 +11,9 @@ DEFAULT_PIPELINES: dict[str, tuple[str, ...]] = {
     "inference": ("fold_conv_bn", "prune_dead_grads", "inplace_relu"),
     "training": ("fold_conv_bn", "prune_dead_grads", "inplace_relu", "checkpoint_activations"),
 }
+
+# Keywords of fxopt.optimize besides pass options: a misspelling of one is caught as a stray option.
+OPTIMIZE_KEYWORDS = ("mode", "passes", "verify", "instruments")
 
 # Passes in a default pipeline that run only when the caller gives this option.
 ONLY_WITH_OPTION = {"checkpoint_activations": "memory_budget"}
@@ -38,6 +43,10 @@ def build_pipeline(mode: str, names, options: dict) -> list[Pass]:
     accepted = {opt for p in passes for opt in p.options}
     stray = sorted(set(options) - accepted)
     if stray:
+        known = {opt for cls in PASSES.values() for opt in cls.options} | set(OPTIMIZE_KEYWORDS)
+        close = difflib.get_close_matches(stray[0], sorted(known), n=1)
+        if close and close[0] != stray[0]:
+            raise FxoptError(f"unknown option {stray[0]!r}: did you mean {close[0]}?")
         raise FxoptError(f"option {stray[0]!r} is not taken by any selected pass "
                          f"({', '.join(p.name for p in passes) or 'none'}); options they take: "
                          f"{', '.join(sorted(accepted)) or 'none'}")
