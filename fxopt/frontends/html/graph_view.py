@@ -22,7 +22,7 @@ import math
 from ...passes.base import Site
 from .snapshots import NodeView
 
-MAX_UNITS = 28
+MAX_UNITS = 40
 MASK_ACTIONS = {"masked": "bool mask"}
 NOT_SAVED_ACTIONS = {"no_grad": "not saved", "frozen_conv": "input not saved", "frozen_bn": "nothing saved",
                      "detached": "not saved"}
@@ -49,34 +49,59 @@ def _split(nodes: list[NodeView], group: tuple, members: list[int]) -> list[Unit
     return list(units.values())
 
 
-def _merge_op_runs(units: list[Unit], limit: int) -> list[Unit]:
-    """Consecutive single ops become one unit each run, when there are too many units."""
-    if len(units) <= limit:
-        return units
+def _merge_op_runs(units: list[Unit], shortest: int) -> list[Unit]:
+    """Runs of at least `shortest` consecutive single ops become one unit each."""
     merged: list[Unit] = []
-    for u in units:
-        if not u.is_group and merged and not merged[-1].is_group:
-            merged[-1] = Unit(("#ops", merged[-1].key[1]), merged[-1].members + u.members)
+    run: list[Unit] = []
+
+    def flush() -> None:
+        if len(run) >= shortest:
+            merged.append(Unit(("#ops", run[0].key[1]), [i for u in run for i in u.members]))
         else:
+            merged.extend(run)
+        run.clear()
+
+    for u in units:
+        if u.is_group:
+            flush()
             merged.append(u)
+        else:
+            run.append(u)
+    flush()
     return merged
 
 
+def _expand(nodes: list[NodeView], units: list[Unit], chosen: list[Unit]) -> list[Unit]:
+    out = []
+    for u in units:
+        out.extend(_split(nodes, u.key, u.members) if u in chosen else [u])
+    return out
+
+
 def cut(nodes: list[NodeView], group: tuple = (), limit: int = MAX_UNITS) -> list[Unit]:
-    """The units to draw for the view of `group`: its children, groups expanded while within `limit`."""
+    """The units to draw for the view of `group`: its children, then the groups of the shallowest
+    depth expanded together (all of a level or none, so the layers of a transformer look alike) while
+    the view stays within `limit` units; a group with a single child is always expanded."""
     members = [i for i, n in enumerate(nodes) if n.path[:len(group)] == group]
     units = _split(nodes, group, members)
     while True:
-        for u in sorted((u for u in units if u.is_group and len(u.members) > 1), key=lambda u: -len(u.members)):
-            children = _split(nodes, u.key, u.members)
-            if len(units) - 1 + len(children) <= limit or len(children) == 1:
-                position = units.index(u)
-                units[position:position + 1] = children
-                break
-        else:
+        units.sort(key=lambda u: u.members[0])
+        single = [u for u in units if u.is_group and len(u.members) > 1 and len(_split(nodes, u.key, u.members)) == 1]
+        if single:
+            units = _expand(nodes, units, single)
+            continue
+        groups = [u for u in units if u.is_group and len(u.members) > 1]
+        if not groups:
             break
+        depth = min(len(u.key) for u in groups)
+        level = [u for u in groups if len(u.key) == depth]
+        expanded = _merge_op_runs(sorted(_expand(nodes, units, level), key=lambda u: u.members[0]), 3)
+        if len(expanded) > limit:
+            break
+        units = expanded
     units.sort(key=lambda u: u.members[0])
-    return _merge_op_runs(units, limit)
+    units = _merge_op_runs(units, 3 if any(u.is_group for u in units) else limit + 1)
+    return _merge_op_runs(units, 2) if len(units) > limit else units
 
 
 def _unit_title(u: Unit, nodes: list[NodeView], group: tuple) -> tuple[str, str]:
@@ -113,18 +138,22 @@ def _marks(units: list[Unit], nodes: list[NodeView], sites: list[Site],
     """What each unit shows of `sites`: a site on a node of the unit, or on a node the pass removed
     from a module the unit covers."""
     unit_of = {nodes[i].name: k for k, u in enumerate(units) for i in u.members}
+    region_units = collections.defaultdict(set)  # a site may name a region: it marks every unit the region covers
+    for k, u in enumerate(units):
+        for i in u.members:
+            if nodes[i].region:
+                region_units[nodes[i].region].add(k)
     marks = [_Marks() for _ in units]
     for site in sites:
-        k = unit_of.get(site.node)
-        if k is None and site.node in previous:
+        where = {unit_of[site.node]} if site.node in unit_of else region_units.get(site.node, set())
+        if not where and site.node in previous:
             path = previous[site.node].path
-            k = next((j for j, u in enumerate(units) if u.is_group and path[:len(u.key)] == u.key), None)
-        if k is None:
-            continue
-        (marks[k].refused if site.refused else marks[k].changed).append(site)
-        badge = MASK_ACTIONS.get(site.action) or NOT_SAVED_ACTIONS.get(site.action)
-        if badge:
-            marks[k].badges[badge] += 1
+            where = {j for j, u in enumerate(units) if u.is_group and path[:len(u.key)] == u.key}
+        for k in sorted(where)[:1] if site.node in previous and site.node not in region_units else sorted(where):
+            (marks[k].refused if site.refused else marks[k].changed).append(site)
+            badge = MASK_ACTIONS.get(site.action) or NOT_SAVED_ACTIONS.get(site.action)
+            if badge:
+                marks[k].badges[badge] += 1
     return marks
 
 
@@ -169,13 +198,13 @@ def render(nodes: list[NodeView], sites: list[Site], previous: dict[str, NodeVie
     def top(k: int) -> float:
         return 10 + k * ROW
 
-    for name, (first, last, count) in _regions(units, nodes).items():
+    for number, (name, (first, last, count)) in enumerate(_regions(units, nodes).items(), start=1):
         y0, y1 = top(first) - 6, top(last) + BOX_H + 6
-        short = name.split(":")[-1]
+        short = f"region {number} · {count} op(s)"
         parts.append(f'<g class="region"><title>{html.escape(name)}: {count} op(s) recomputed in backward'
                      f'</title><rect x="{LEFT - 10}" y="{y0}" width="{BOX_W + 20}" height="{y1 - y0}" rx="8" '
                      f'fill="#1f77b4" fill-opacity="0.06" stroke="#1f77b4" stroke-width="2" stroke-dasharray="6 4"/>'
-                     f'<text x="{LEFT + BOX_W + 14}" y="{y0 + 12}" class="region-label">↻ recomputed: '
+                     f'<text x="{LEFT + BOX_W + 14}" y="{y0 + 12}" class="region-label">↻ '
                      f'{html.escape(short)}</text></g>')
     for a, b in sorted(edges):
         if b == a + 1:

@@ -43,14 +43,20 @@ def _change(before: int | None, after: int | None) -> str:
     return format_change(before, after, human_bytes)
 
 
-def _movers(data: PageData) -> list[tuple[str, int]]:
-    """(pass, change of the measured peak) for each pass that moved it, largest drop first."""
+def _movers(data: PageData) -> tuple[str, list[tuple[str, int]]]:
+    """(what was compared, [(pass, change)]) for the passes that moved the peak, largest drop first: the
+    measured peak after each pass when the whole model is one graph, else the estimated saved bytes."""
     peaks = data.stage_peaks
-    if len(peaks) != len(data.report.passes) + 1:
-        return []
-    moves = [(p.name, after - before) for p, before, after in zip(data.report.passes, peaks, peaks[1:])
+    if len(peaks) == len(data.report.passes) + 1 and None not in peaks:
+        pairs, what = list(zip(peaks, peaks[1:])), "measured peak after each pass"
+    elif data.estimates:
+        pairs = [(e["saved_bytes_before"], e["saved_bytes_after"]) for e in data.estimates]
+        what = "estimated bytes saved for backward (the peak is measured per pass only when the model is one graph)"
+    else:
+        return "", []
+    moves = [(p.name, after - before) for p, (before, after) in zip(data.report.passes, pairs)
              if before is not None and after is not None and after != before]
-    return sorted(moves, key=lambda m: m[1])
+    return what, sorted(moves, key=lambda m: m[1])
 
 
 def _summary(data: PageData) -> str:
@@ -64,14 +70,12 @@ def _summary(data: PageData) -> str:
         lines.append(f'<p class="big">Peak memory of {step}: <b>{_change(before.peak_bytes, after.peak_bytes)}</b> '
                      f'<span class="how">measured</span></p>')
         lines.append(f"<p>Peak before: {_e(before.describe_peak())}.<br>Peak now: {_e(after.describe_peak())}.</p>")
-        movers = _movers(data)
+        what, movers = _movers(data)
         if movers:
             text = ", ".join(f"<b>{_e(name)}</b> ({'+' if d > 0 else '−'}{human_bytes(abs(d))})" for name, d in movers)
-            lines.append(f"<p>Moved by: {text}.</p>")
-        elif after.peak_bytes != before.peak_bytes:
-            changed = [p.name for p in report.passes if p.changed]
-            lines.append(f"<p>Passes that changed the model: {_e(', '.join(changed) or 'none')} "
-                         "(the peak after each pass is measured only when the whole model is one graph).</p>")
+            lines.append(f'<p>Moved by: {text} <span class="note">({_e(what)})</span>.</p>')
+        else:
+            lines.append("<p>No pass moved it.</p>")
     changed = sum(not s.refused for s in sites)
     lines.append(f"<p>{len(report.passes)} pass(es), {sum(p.changed for p in report.passes)} changed the model; "
                  f"{changed} site(s) rewritten, {len(sites) - changed} refused; "
@@ -154,7 +158,10 @@ def _graphs(data: PageData) -> str:
     if not data.stages:
         return "<p>No graphs were recorded.</p>"
     out = []
+    names = [p.name for p in data.report.passes]
+    _, movers = _movers(data)
     first_changed = next((k for k, p in enumerate(data.report.passes, start=1) if p.changed), None)
+    shown_open = names.index(movers[0][0]) + 1 if movers and movers[0][1] < 0 else first_changed
     for k, stage in enumerate(data.stages):
         if k == 0:
             title, sites, previous = "captured graph (before any pass)", [], {}
@@ -173,7 +180,7 @@ def _graphs(data: PageData) -> str:
         more = f"<p>… and {len(sites) - len(shown)} more (see the JSON report)</p>" if len(sites) > len(shown) else ""
         side = _table(["node", "action", "reason", "detail"], rows, "sites") + more if rows else \
             "<p>No sites.</p>"
-        is_open = " open" if k == first_changed else ""
+        is_open = " open" if k == shown_open else ""
         out.append(f'<details class="stage" id="stage-{k}"{is_open}><summary>{_e(title)} '
                    f'({len(stage.nodes)} nodes)</summary><div class="stage-body"><div>'
                    f'{_stage_views(k, stage, sites, previous)}</div><div class="side">{side}</div></div></details>')

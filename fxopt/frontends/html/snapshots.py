@@ -88,7 +88,8 @@ def _inner_graph(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
         sub = gm.get_submodule(node.target)
     except AttributeError:
         return None
-    return next((m for m in sub.modules() if isinstance(m, fx.GraphModule)), None)
+    held = [*sub.modules(), *vars(sub).values()]  # a body kept unregistered (its modules are the parent's) too
+    return next((m for m in held if isinstance(m, fx.GraphModule)), None)
 
 
 def _recompute_region(node: fx.Node) -> str:
