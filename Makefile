@@ -3,14 +3,18 @@
 PY ?= python3
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-test demo test test-slow
+.PHONY: install install-test install-browser demo test test-slow docs-images
 install:
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[report]"
 
 install-test:
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
+
+# Headless Chromium for tests/test_html.py (Debian/Ubuntu package; the test skips, saying so, without it).
+install-browser:
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q --no-install-recommends chromium)
 
 demo: install
 	$(PY) examples/seed_net.py
@@ -21,3 +25,12 @@ test: install-test
 # Inductor compiles take 20-30 s each on CPU: a separate CI step (exit 5 = none selected is fine).
 test-slow: install-test
 	$(PY) -m pytest -q -m slow || [ $$? -eq 5 ]
+
+# The README's screenshots of `fxopt inspect --html` (seed example; 6-layer BERT with a budget).
+docs-images: install install-browser
+	$(PY) -m fxopt inspect examples/seed_net.py:SeedNet --input-shape 8x3x32x32 --html docs/seed_net.html
+	$(PY) -m fxopt inspect examples/bert_small.py:bert6 --input-shape 4x128 --dtype int64 --int-high 1000 \
+		--mode training --memory-budget 0.5 --html docs/bert6_budget.html
+	for page in seed_net bert6_budget; do \
+		chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1500 \
+			--screenshot=docs/$$page.png docs/$$page.html 2>/dev/null; done
