@@ -2,15 +2,17 @@
 # torch is pinned to the CPU build for development and CI; users bring their own torch>=2.6.
 PY ?= python3
 TORCH ?= torch==2.13.0
+# Quiet installs: no version nag, no root-user warning (containers and CI run as root).
+PIP = $(PY) -m pip install -q --disable-pip-version-check --root-user-action=ignore
 
 .PHONY: install install-test install-browser demo test test-slow docs-images
 install:
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[report]"
+	$(PIP) "$(TORCH)"
+	$(PIP) -e ".[report]"
 
 install-test:
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PIP) "$(TORCH)"
+	$(PIP) -e ".[test]"
 
 # Headless Chromium for tests/test_html.py (Debian/Ubuntu package; the test skips, saying so, without it).
 install-browser:
@@ -33,4 +35,4 @@ docs-images: install install-browser
 		--mode training --memory-budget 0.5 --html docs/bert6_budget.html
 	for page in seed_net bert6_budget; do \
 		chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1500 \
-			--screenshot=docs/$$page.png docs/$$page.html 2>/dev/null; done
+			--screenshot=docs/$$page.png file://$(CURDIR)/docs/$$page.html 2>/dev/null; done
