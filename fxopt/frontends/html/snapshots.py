@@ -48,7 +48,7 @@ def normalize_path(text: str) -> tuple[str, ...]:
     return tuple(part for part in text.split(".") if part)
 
 
-def _node_path(node: fx.Node) -> tuple[str, ...] | None:
+def node_module_path(node: fx.Node) -> tuple[str, ...] | None:
     stack = node.meta.get("nn_module_stack")
     if stack:
         value = list(stack.values())[-1]
@@ -116,7 +116,7 @@ def view_graph(gm: fx.GraphModule, graph_path: str) -> list[NodeView]:
                 add(body.graph, body, qualify(node.name),
                     {p.name: name for p, name in zip(inner_inputs, outer)})
                 continue
-            path = _node_path(node)
+            path = node_module_path(node)
             views.append(NodeView(
                 name=qualify(node.name), label=_label(node, owner),
                 path=prefix + path if path is not None else prefix,

@@ -4,9 +4,11 @@
 loss and backward) under the same storage-counting dispatch mode as `fxopt.measure.measure_peak`
 and records, after each op, the bytes of the storages the step created that are still alive
 (parameters, buffers, inputs and the gradients left after the step are not counted, as there).
-Each op is labelled with where it ran: the innermost module running (forward hooks), or in
-backward the module whose forward made the autograd node being run; an op run in backward while
-a module's forward is running is a recomputation (a checkpointed region).
+Each op is labelled with where it ran: the innermost module running (forward hooks; in a
+GraphModule, also the module path of the graph node running, from its `nn_module_stack`, so an
+exported graph of ATen ops is attributed as finely as the eager model), or in backward the module
+whose forward made the autograd node being run; an op run in backward while a module's forward is
+running is a recomputation (a checkpointed region).
 
 The caller's state is left as it was: buffers (BatchNorm statistics), RNG, and `.grad`.
 """
@@ -17,10 +19,12 @@ import dataclasses
 import time
 
 import torch
+import torch.fx as fx
 
 from ..._torch_private import tree_leaves
 from ...measure import _LiveStorageMode, _storage_ids
 from ...pipeline.instruments import Instrument
+from .snapshots import node_module_path
 
 FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
 
@@ -127,6 +131,37 @@ def _module_stack(model: torch.nn.Module, stack: list[str], made_by: dict[int, s
             h.remove()
 
 
+class _AttributingInterpreter(fx.Interpreter):
+    """Runs a GraphModule node by node, keeping `stack` at the module path of the node running."""
+
+    def __init__(self, gm: fx.GraphModule, stack: list[str], made_by: dict[int, str]):
+        super().__init__(gm)
+        self.stack, self.made_by = stack, made_by
+
+    def run_node(self, n: fx.Node):
+        path = node_module_path(n) if n.op in ("call_function", "call_method") else None
+        if not path:
+            return super().run_node(n)
+        inputs = [self.env[a] for a in n.all_input_nodes if a in self.env]
+        newer_than = _newest_node(inputs)
+        self.stack.append(".".join(path))
+        try:
+            out = super().run_node(n)
+        finally:
+            self.stack.pop()
+        _claim(out, newer_than, ".".join(path), self.made_by)
+        return out
+
+
+def _forward(model: torch.nn.Module, stack: list[str], made_by: dict[int, str]):
+    """How to call `model` so its ops are attributed: node by node for a GraphModule that records
+    module paths, else the model itself (hooks do the attribution)."""
+    graph = getattr(model, "graph", None)
+    if isinstance(model, fx.GraphModule) and any(n.meta.get("nn_module_stack") for n in graph.nodes):
+        return lambda *inputs: _AttributingInterpreter(model, stack, made_by).run(*inputs)
+    return model
+
+
 @contextlib.contextmanager
 def _untouched(model: torch.nn.Module):
     """Restore buffers, RNG and parameter `.grad` after running `model` for information."""
@@ -161,7 +196,7 @@ def measure_timeline(model: torch.nn.Module, inputs: tuple, training: bool, labe
         for p in model.parameters():
             p.grad = None
         with mode:
-            output = model(*inputs)
+            output = _forward(model, stack, made_by)(*inputs)
             loss = _loss(output) if training else None
             del output
             if loss is not None:
