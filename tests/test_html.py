@@ -209,3 +209,8 @@ def test_exported_graph_ops_are_attributed_to_modules():
     forward = {p.where for p in graph.points if p.phase == "forward"}
     backward = {p.where for p in graph.points if p.phase == "backward"}
     assert "blocks.3.1" in forward and "blocks.3.1" in backward  # the fourth block's LayerNorm
+
+
+def test_export_stand_in_for_no_module_is_the_model():
+    """torch.export's `_empty_nn_module_stack...` entry means the model itself, not a module of that name."""
+    assert normalize_path("_empty_nn_module_stack_from_metadata_hook") == ()

@@ -186,7 +186,7 @@ def render(nodes: list[NodeView], sites: list[Site], previous: dict[str, NodeVie
         for i in u.members:
             for name in nodes[i].inputs:
                 j = by_name.get(name)
-                if j is not None and j in row_of and row_of[j] != k:
+                if j is not None and j in row_of and row_of[j] != k and nodes[j].makes_tensor:
                     edges.add((row_of[j], k))
     height = 16 + len(units) * ROW
     width = LEFT + BOX_W + ARC_SPACE

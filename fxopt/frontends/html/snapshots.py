@@ -16,8 +16,10 @@ import dataclasses
 import re
 import time
 
+import torch
 import torch.fx as fx
 
+from ..._torch_private import tree_leaves
 from ...pipeline.instruments import Instrument
 
 
@@ -29,6 +31,7 @@ class NodeView:
     inputs: tuple[str, ...]  # names of the nodes it reads
     region: str = ""  # the checkpointed region it is recomputed in, or ""
     shape: str = ""
+    makes_tensor: bool = True  # False for a size or other number (no data edge is drawn from it)
 
 
 @dataclasses.dataclass
@@ -43,6 +46,8 @@ _PATH_NOISE = re.compile(r"^(L\['self'\]|L__self__|self)\.?")
 
 def normalize_path(text: str) -> tuple[str, ...]:
     """'encoder.layer.0', "L['self'].encoder.layer[0]" or "L__self___encoder" -> ('encoder', 'layer', '0')."""
+    if text.startswith("_empty_nn_module_stack"):  # torch.export's stand-in for "no module": the model itself
+        return ()
     text = _PATH_NOISE.sub("", text)
     text = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", text).replace("._modules.", ".")
     return tuple(part for part in text.split(".") if part)
@@ -78,6 +83,12 @@ def _shape(node: fx.Node) -> str:
     val = node.meta.get("val", node.meta.get("tensor_meta"))
     shape = getattr(val, "shape", None)
     return "x".join(str(s) for s in shape) if shape is not None else ""
+
+
+def _makes_tensor(node: fx.Node) -> bool:
+    if "val" not in node.meta:
+        return True  # not known: drawn as data
+    return any(isinstance(v, torch.Tensor) for v in tree_leaves(node.meta["val"]))
 
 
 def _inner_graph(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
@@ -121,7 +132,7 @@ def view_graph(gm: fx.GraphModule, graph_path: str) -> list[NodeView]:
                 name=qualify(node.name), label=_label(node, owner),
                 path=prefix + path if path is not None else prefix,
                 inputs=tuple(rename.get(a.name, qualify(a.name)) for a in node.all_input_nodes),
-                region=region or _recompute_region(node), shape=_shape(node)))
+                region=region or _recompute_region(node), shape=_shape(node), makes_tensor=_makes_tensor(node)))
 
     add(gm.graph, gm, "", {})
     return views
