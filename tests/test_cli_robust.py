@@ -44,12 +44,14 @@ def test_parser_lists_match_the_real_ones():
     assert tuple(DTYPES) == DTYPE_NAMES
 
 
-def test_help_does_not_import_torch():
-    """`fxopt --help` answers before torch (and Dynamo) are imported."""
-    code = ("import sys\nfrom fxopt.frontends.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
+@pytest.mark.parametrize("args", [["--help"], ["inspct"], ["inspect", "m.py:Net", "--input-shape", "2", "--verfy"]])
+def test_answers_before_importing_torch(args):
+    """`fxopt --help` and a mistyped command answer before torch (and Dynamo) are imported."""
+    code = (f"import sys\nfrom fxopt.frontends.cli import main\ntry:\n    main({args!r})\nexcept SystemExit:\n"
             "    pass\nprint('torch imported:', 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert "torch imported: False" in result.stdout and "inspect" in result.stdout
+    assert "torch imported: False" in result.stdout
+    assert "inspect" in result.stdout if args == ["--help"] else "fxopt: error:" in result.stderr
 
 
 def test_sys_exit_at_import_is_an_error_naming_the_file(in_repo, capsys):
@@ -206,3 +208,26 @@ def test_bench_shows_spread(in_repo, capsys):
     out = capsys.readouterr().out
     assert "min" in out and "q1–q3" in out and "max" in out and "4 timed rounds" in out
     assert " B)" in out  # exact bytes beside the rounded figure
+
+
+def test_progress_on_a_terminal_is_one_line_cleared_at_the_end():
+    """On a terminal, progress is one status line with the time elapsed, rewritten and cleared at the end."""
+    import io
+
+    from fxopt.frontends.cli_progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    progress = Progress("fxopt inspect", lines=False, stream=stream)
+    progress.status("capturing the model")
+    progress.phase("pass 1 (fold_conv_bn) done")
+    progress.finish()
+    text = stream.getvalue()
+    assert "fxopt inspect: capturing the model [0.0 s]" in text and "\n" not in text
+    assert text.endswith("\r\033[K")
+    log = io.StringIO()
+    Progress("fxopt inspect", lines=False, stream=log).status("capturing")
+    assert log.getvalue() == ""  # not a terminal, no log lines asked for: an error stays one line

@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fxopt: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `fxopt ... | head`: the reader left; nothing more to say
+        sys.stdout = None  # no flush at exit onto the closed pipe
+        return 0
     except SystemExit as e:  # only the user's code can raise it here: argparse is done
         if args.debug:
             raise
