@@ -28,11 +28,13 @@ test: install-test
 test-slow: install-test
 	$(PY) -m pytest -q -m slow || [ $$? -eq 5 ]
 
-# The README's screenshots of `fxopt inspect --html` (seed example; 6-layer BERT with a budget).
+# The README's screenshots of `fxopt inspect --html` (seed example; 6-layer BERT and a deep MLP with a budget).
 docs-images: install install-browser
 	$(PY) -m fxopt inspect examples/seed_net.py:SeedNet --input-shape 8x3x32x32 --html docs/seed_net.html
 	$(PY) -m fxopt inspect examples/bert_small.py:bert6 --input-shape 4x128 --dtype int64 --int-high 1000 \
 		--mode training --memory-budget 0.5 --html docs/bert6_budget.html
-	for page in seed_net bert6_budget; do \
-		chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1500 \
+	$(PY) -m fxopt inspect examples/deep_mlp.py:DeepMLP --input-shape 128x256 --mode training \
+		--memory-budget 0.5 --html docs/deep_mlp_budget.html
+	for page in seed_net bert6_budget deep_mlp_budget; do \
+		chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1900 \
 			--screenshot=docs/$$page.png file://$(CURDIR)/docs/$$page.html 2>/dev/null; done

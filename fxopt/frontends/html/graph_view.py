@@ -106,7 +106,7 @@ def cut(nodes: list[NodeView], group: tuple = (), limit: int = MAX_UNITS) -> lis
 
 def _unit_title(u: Unit, nodes: list[NodeView], group: tuple) -> tuple[str, str]:
     """(bold label, small summary line)."""
-    if len(u.members) == 1 and not u.key[0] == "#ops":
+    if len(u.members) == 1 and u.key[0] != "#ops":
         n = nodes[u.members[0]]
         where = ".".join(n.path[len(group):])
         return (f"{where}: {n.label}" if where and where != n.label else n.label), n.shape
@@ -149,7 +149,7 @@ def _marks(units: list[Unit], nodes: list[NodeView], sites: list[Site],
         if not where and site.node in previous:
             path = previous[site.node].path
             where = {j for j, u in enumerate(units) if u.is_group and path[:len(u.key)] == u.key}
-        for k in sorted(where)[:1] if site.node in previous and site.node not in region_units else sorted(where):
+        for k in sorted(where):  # units never nest, so a removed node's module is one unit at most
             (marks[k].refused if site.refused else marks[k].changed).append(site)
             badge = MASK_ACTIONS.get(site.action) or NOT_SAVED_ACTIONS.get(site.action)
             if badge:
@@ -174,72 +174,87 @@ def _regions(units: list[Unit], nodes: list[NodeView]) -> dict[str, tuple[int, i
     return {name: (min(r), max(r), len(r)) for name, r in rows.items()}
 
 
-def render(nodes: list[NodeView], sites: list[Site], previous: dict[str, NodeView], group: tuple,
-           link) -> tuple[str, list[Unit]]:
-    """The SVG of `group`'s view and its units; `link(unit)` gives the anchor of a group's own view."""
-    units = cut(nodes, group)
-    marks = _marks(units, nodes, sites, previous)
+ARROW_DEFS = ('<svg width="0" height="0" style="position:absolute"><defs><marker id="arrow" viewBox="0 0 8 8" '
+              'refX="7" refY="4" markerWidth="6" markerHeight="6" orient="auto"><path d="M0,0 L8,4 L0,8 z" '
+              'fill="#777"/></marker></defs></svg>')  # once per page; every graph's edges point to it
+
+
+def _top(row: int) -> float:
+    return 10 + row * ROW
+
+
+def _edges(units: list[Unit], nodes: list[NodeView]) -> set[tuple[int, int]]:
+    """(row, row) pairs where a unit reads a tensor another unit made."""
     row_of = {i: k for k, u in enumerate(units) for i in u.members}
-    edges = set()
     by_name = {n.name: i for i, n in enumerate(nodes)}
+    edges = set()
     for k, u in enumerate(units):
         for i in u.members:
             for name in nodes[i].inputs:
                 j = by_name.get(name)
                 if j is not None and j in row_of and row_of[j] != k and nodes[j].makes_tensor:
                     edges.add((row_of[j], k))
-    height = 16 + len(units) * ROW
-    width = LEFT + BOX_W + ARC_SPACE
+    return edges
+
+
+def _edge_svg(a: int, b: int) -> str:
+    if b == a + 1:
+        x = LEFT + BOX_W / 2
+        return f'<line x1="{x}" y1="{_top(a) + BOX_H}" x2="{x}" y2="{_top(b) - 1}" class="edge" marker-end="url(#arrow)"/>'
+    x = LEFT + BOX_W
+    bulge = min(ARC_SPACE - 20, 16 + 14 * math.log2(abs(b - a)))
+    ya, yb = _top(a) + BOX_H / 2, _top(b) + BOX_H / 2
+    return (f'<path d="M{x},{ya} C{x + bulge},{ya} {x + bulge},{yb} {x + 2},{yb}" class="edge arc" '
+            f'marker-end="url(#arrow)"/>')
+
+
+def _region_svg(number: int, name: str, first: int, last: int, count: int) -> str:
+    y0, y1 = _top(first) - 6, _top(last) + BOX_H + 6
+    return (f'<g class="region"><title>{html.escape(name)}: {count} op(s) recomputed in backward</title>'
+            f'<rect x="{LEFT - 10}" y="{y0}" width="{BOX_W + 20}" height="{y1 - y0}" rx="8" fill="#1f77b4" '
+            f'fill-opacity="0.06" stroke="#1f77b4" stroke-width="2" stroke-dasharray="6 4"/>'
+            f'<text x="{LEFT + BOX_W + 14}" y="{y0 + 12}" class="region-label">↻ region {number} · {count} op(s)'
+            f'</text></g>')
+
+
+def _unit_svg(row: int, u: Unit, m: _Marks, nodes: list[NodeView], group: tuple, anchor: str | None) -> str:
+    y = _top(row)
+    label, summary = _unit_title(u, nodes, group)
+    cls = "unit" + (" group" if u.is_group or u.key[0] == "#ops" else "") + (" changed" if m.changed else "") \
+        + (" refused" if m.refused else "")
+    tooltip = [label, summary] + [_site_text(s) for s in m.changed + m.refused]
+    tooltip += [f"{nodes[i].name}: {nodes[i].label} {nodes[i].shape}".rstrip() for i in u.members[:40]]
+    if len(u.members) > 40:
+        tooltip.append(f"… and {len(u.members) - 40} more")
+    badges, x = [], LEFT + BOX_W - 6
+    for text, color in ([(f"✓ {s.action}", "#2ca02c") for s in _first_actions(m.changed)]
+                        + ([(f"✗ refused {len(m.refused)}", "#ff7f0e")] if m.refused else [])
+                        + [(f"{b}" + (f" ×{c}" if c > 1 else ""), "#9467bd") for b, c in m.badges.items()]):
+        svg, x = _badge(x, y + 3, text, color)
+        badges.append(svg)
+    room = max(8, int((x - LEFT - 8) / 7))  # characters of the bold label that fit left of the badges
+    shown = label if len(label) <= room else label[:room - 1] + "…"
+    body = (f'<title>{html.escape(chr(10).join(tooltip))}</title>'
+            f'<rect class="box" x="{LEFT}" y="{y}" width="{BOX_W}" height="{BOX_H}" rx="5"/>'
+            f'<text x="{LEFT + 8}" y="{y + 15}" class="label">{html.escape(shown)}</text>'
+            f'<text x="{LEFT + 8}" y="{y + 29}" class="summary">{html.escape(summary[:80])}</text>' + "".join(badges))
+    unit = f'<g class="{cls}">{body}</g>'
+    return f'<a href="#{anchor}" class="open">{unit}</a>' if anchor else unit
+
+
+def render(nodes: list[NodeView], sites: list[Site], previous: dict[str, NodeView], group: tuple,
+           link) -> tuple[str, list[Unit]]:
+    """The SVG of `group`'s view and its units; `link(unit)` gives the anchor of a group's own view
+    (or None). Regions go under the boxes, then the edges, then the boxes."""
+    units = cut(nodes, group)
+    marks = _marks(units, nodes, sites, previous)
+    height, width = 16 + len(units) * ROW, LEFT + BOX_W + ARC_SPACE
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="graph" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}">',
-             '<defs><marker id="arrow" viewBox="0 0 8 8" refX="7" refY="4" markerWidth="6" markerHeight="6" '
-             'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>']
-
-    def top(k: int) -> float:
-        return 10 + k * ROW
-
-    for number, (name, (first, last, count)) in enumerate(_regions(units, nodes).items(), start=1):
-        y0, y1 = top(first) - 6, top(last) + BOX_H + 6
-        short = f"region {number} · {count} op(s)"
-        parts.append(f'<g class="region"><title>{html.escape(name)}: {count} op(s) recomputed in backward'
-                     f'</title><rect x="{LEFT - 10}" y="{y0}" width="{BOX_W + 20}" height="{y1 - y0}" rx="8" '
-                     f'fill="#1f77b4" fill-opacity="0.06" stroke="#1f77b4" stroke-width="2" stroke-dasharray="6 4"/>'
-                     f'<text x="{LEFT + BOX_W + 14}" y="{y0 + 12}" class="region-label">↻ '
-                     f'{html.escape(short)}</text></g>')
-    for a, b in sorted(edges):
-        if b == a + 1:
-            x = LEFT + BOX_W / 2
-            parts.append(f'<line x1="{x}" y1="{top(a) + BOX_H}" x2="{x}" y2="{top(b) - 1}" class="edge" '
-                         f'marker-end="url(#arrow)"/>')
-        else:
-            x = LEFT + BOX_W
-            bulge = min(ARC_SPACE - 20, 16 + 14 * math.log2(abs(b - a)))
-            ya, yb = top(a) + BOX_H / 2, top(b) + BOX_H / 2
-            parts.append(f'<path d="M{x},{ya} C{x + bulge},{ya} {x + bulge},{yb} {x + 2},{yb}" class="edge arc" '
-                         f'marker-end="url(#arrow)"/>')
-    for k, (u, m) in enumerate(zip(units, marks)):
-        y = top(k)
-        label, summary = _unit_title(u, nodes, group)
-        cls = "unit" + (" group" if u.is_group or u.key[0] == "#ops" else "") + (" changed" if m.changed else "") \
-            + (" refused" if m.refused else "")
-        tooltip = [label, summary] + [_site_text(s) for s in m.changed + m.refused]
-        tooltip += [f"{nodes[i].name}: {nodes[i].label} {nodes[i].shape}".rstrip() for i in u.members[:40]]
-        if len(u.members) > 40:
-            tooltip.append(f"… and {len(u.members) - 40} more")
-        body = [f'<title>{html.escape(chr(10).join(tooltip))}</title>',
-                f'<rect class="box" x="{LEFT}" y="{y}" width="{BOX_W}" height="{BOX_H}" rx="5"/>',
-                f'<text x="{LEFT + 8}" y="{y + 15}" class="label">{html.escape(label[:60])}</text>',
-                f'<text x="{LEFT + 8}" y="{y + 29}" class="summary">{html.escape(summary[:80])}</text>']
-        x = LEFT + BOX_W - 6
-        for text, color in ([(f"✓ {s.action}", "#2ca02c") for s in _first_actions(m.changed)]
-                            + ([(f"✗ refused {len(m.refused)}", "#ff7f0e")] if m.refused else [])
-                            + [(f"{b}" + (f" ×{c}" if c > 1 else ""), "#9467bd") for b, c in m.badges.items()]):
-            svg, x = _badge(x, y + 3, text, color)
-            body.append(svg)
-        anchor = link(u)
-        inner = "".join(body)
-        parts.append(f'<a href="#{anchor}" class="open">' f'<g class="{cls}">{inner}</g></a>' if anchor
-                     else f'<g class="{cls}">{inner}</g>')
+             f'viewBox="0 0 {width} {height}">']
+    parts += [_region_svg(number, name, *rows) for number, (name, rows) in
+              enumerate(_regions(units, nodes).items(), start=1)]
+    parts += [_edge_svg(a, b) for a, b in sorted(_edges(units, nodes))]
+    parts += [_unit_svg(k, u, m, nodes, group, link(u)) for k, (u, m) in enumerate(zip(units, marks))]
     parts.append("</svg>")
     return "".join(parts), units
 

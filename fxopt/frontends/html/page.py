@@ -14,7 +14,7 @@ import re
 from ... import __version__
 from ...pipeline.report import Report
 from ..cli_inspect import format_change, format_flops, human_bytes
-from .graph_view import MASK_ACTIONS, NOT_SAVED_ACTIONS, render
+from .graph_view import ARROW_DEFS, MASK_ACTIONS, NOT_SAVED_ACTIONS, render
 from .plot import timeline_svg
 from .snapshots import NodeView, Stage
 from .timeline import Timeline
@@ -201,7 +201,7 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:18px;margin:28px 0 8px;border-bot
 .sub{color:#666;margin:0 0 12px} .big{font-size:18px} .how{background:#e8f0fe;border-radius:4px;padding:1px 6px;font-size:12px}
 #summary{background:#f6f8fa;border:1px solid #ddd;border-radius:8px;padding:4px 16px}
 table{border-collapse:collapse;font-size:13px;margin:6px 0} th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
-th{background:#f0f0f0} table.sites td:nth-child(2){white-space:nowrap}
+th{background:#f0f0f0} table.sites td:nth-child(2){white-space:nowrap} .side table{width:100%} .side td{word-break:break-word}
 details.stage{border:1px solid #ddd;border-radius:6px;margin:8px 0;padding:4px 10px} details>summary{cursor:pointer;font-weight:600}
 .stage-body{display:flex;gap:16px;align-items:flex-start;flex-wrap:wrap} .side{flex:1;min-width:380px;max-height:900px;overflow:auto}
 details.view{margin:4px 0 4px 12px} details.view>summary{font-weight:500}
@@ -265,6 +265,7 @@ def render_page(data: PageData) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>fxopt: {_e(data.model)}</title>
 <meta name="viewport" content="width=device-width, initial-scale=1"><style>{_STYLE}</style></head>
 <body>
+{ARROW_DEFS}
 <h1>fxopt inspect {_e(data.model)}</h1>
 <p class="sub">{_e(data.report.mode)}, inputs {_e(data.inputs)} · fxopt {_e(__version__)}</p>
 <section id="summary"><h2>Summary</h2>{_summary(data)}</section>
