@@ -71,7 +71,9 @@ def _summary(data: PageData) -> str:
                      f'<span class="how">measured</span></p>')
         lines.append(f"<p>Peak before: {_e(before.describe_peak())}.<br>Peak now: {_e(after.describe_peak())}.</p>")
         what, movers = _movers(data)
-        if movers:
+        if abs(after.peak_bytes - before.peak_bytes) < 0.01 * before.peak_bytes:
+            lines.append("<p>The peak did not move (less than 1%).</p>")
+        elif movers:
             text = ", ".join(f"<b>{_e(name)}</b> ({'+' if d > 0 else '−'}{human_bytes(abs(d))})" for name, d in movers)
             lines.append(f'<p>Moved by: {text} <span class="note">({_e(what)})</span>.</p>')
         else:
