@@ -214,3 +214,24 @@ def test_exported_graph_ops_are_attributed_to_modules():
 def test_export_stand_in_for_no_module_is_the_model():
     """torch.export's `_empty_nn_module_stack...` entry means the model itself, not a module of that name."""
     assert normalize_path("_empty_nn_module_stack_from_metadata_hook") == ()
+
+
+class ReluThenAdd(nn.Module):
+    """A ReLU whose output only an add reads: inplace_relu keeps a bool mask for its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return (self.relu(self.fc(x)) + 1).sum()
+
+
+def test_mask_is_marked(tmp_path):
+    """An activation now kept as a bool mask has the mask badge on its box, with the pass's reason on hover."""
+    path = tmp_path / "mask.html"
+    optimize_and_explain(ReluThenAdd().train(), torch.randn(4, 8), path, mode="training")
+    text = path.read_text()
+    assert "bool mask" in text.split('id="graphs"')[1].split("</p>", 1)[1]  # on a box, not only in the legend
+    assert "relu: masked — keeps a bool mask" in text
