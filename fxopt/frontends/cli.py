@@ -145,11 +145,12 @@ def _inspect_command(args, out) -> None:
     optimized = optimize(model, inputs, mode=args.mode, passes=passes, verify=args.verify,
                          instruments=instruments, **options)
     total = time.perf_counter() - start
-    timings = phase_times(total, optimized.fxopt_report, costs, recorder)
-    result = InspectResult(args.model, inputs, optimized.fxopt_report, costs, timings,
-                           only=args.only, pass_filter=args.pass_filter)
-    if args.html:
-        _write_html(args, model, optimized, inputs, recorder, result, progress)
+    result = InspectResult(args.model, inputs, optimized.fxopt_report, costs,
+                           phase_times(total, optimized.fxopt_report, costs), only=args.only,
+                           pass_filter=args.pass_filter)
+    if recorder is not None:
+        progress.status("measuring the memory of a step, before and after")
+        result.timings = recorder.write(args.html, args.model, model, optimized, costs, total)
     progress.finish()
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, default=str), file=out)
@@ -159,23 +160,6 @@ def _inspect_command(args, out) -> None:
         print(result, file=out)
         if args.html:
             print(f"\nHTML report: {args.html}", file=out)
-
-
-def _write_html(args, model, optimized, inputs, recorder, result, progress) -> None:
-    from ..errors import FxoptError
-    from .html import describe_inputs
-    from .html.page import write_page
-
-    progress.phase("measuring the memory of a step, before and after")
-    start = time.perf_counter()
-    timelines = recorder.timelines(model, optimized)
-    result.timings["measuring memory"] = result.timings.get("measuring memory", 0.0) + time.perf_counter() - start
-    estimates = [result.costs.around(k) for k in range(1, len(result.report.passes) + 1)]
-    page = recorder.page(args.model, describe_inputs(inputs), result.report, timelines, estimates, result.timings)
-    try:
-        write_page(args.html, page)
-    except OSError as e:
-        raise FxoptError(f"cannot write --html {args.html!r}: {e.strerror}") from e
 
 
 def _bench_command(args, out) -> None:

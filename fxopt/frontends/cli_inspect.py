@@ -93,14 +93,15 @@ class PassProgress(Instrument):
 
 
 def phase_times(total: float, report: Report, costs: CostEstimates, recorder=None) -> dict[str, float]:
-    """Where the `total` seconds of an `optimize` call went: capture (with shape propagation and any
-    verification), the passes, the cost estimates, and the HTML page's measurements (`recorder`)."""
+    """Where the `total` seconds of an `optimize` call went: capture (with shape propagation, first-use
+    imports and any verification), the passes, the cost estimates; and, for the HTML page (`recorder`),
+    measuring memory inside the pipeline and after it."""
     passes = sum(p.seconds for p in report.passes)
-    measuring = recorder.seconds if recorder is not None else 0.0
-    times = {"capture and checks": max(0.0, total - passes - costs.seconds - measuring), "passes": passes,
+    inside = recorder.pipeline_seconds if recorder is not None else 0.0
+    times = {"capture and checks": max(0.0, total - passes - costs.seconds - inside), "passes": passes,
              "estimates": costs.seconds}
     if recorder is not None:
-        times["measuring memory"] = measuring
+        times["measuring memory"] = recorder.seconds
     return times
 
 

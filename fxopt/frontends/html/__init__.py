@@ -13,39 +13,56 @@ import time
 import torch
 
 from ..api import normalize_inputs, optimize
-from ..cli_inspect import CostEstimates
+from ...errors import FxoptError
+from ..cli_inspect import CostEstimates, phase_times
 from .page import PageData, write_page
 from .plot import check_matplotlib
 from .snapshots import GraphSnapshots
-from .timeline import StagePeaks, Timeline, measure_timeline
+from .timeline import StagePeaks, measure_timeline
 
 
 class PageRecorder:
-    """The instruments the page needs (graphs per stage, measured peak per stage), and the rest of its data."""
+    """Collects what the page shows: the instruments it needs inside the pipeline (each stage's graphs,
+    each stage's measured peak), then the before/after timelines, and writes the page."""
 
     def __init__(self, inputs: tuple, training: bool):
         check_matplotlib()  # fail before the pipeline runs, not after
         self.inputs, self.training = inputs, training
         self.snapshots = GraphSnapshots()
         self.peaks = StagePeaks(inputs, training)
+        self.after_seconds = 0.0  # measuring the timelines, after the pipeline
 
     @property
     def instruments(self) -> list:
         return [self.snapshots, self.peaks]
 
     @property
-    def seconds(self) -> float:
+    def pipeline_seconds(self) -> float:
         """Time its instruments took inside the pipeline."""
         return self.snapshots.seconds + self.peaks.seconds
 
-    def timelines(self, model: torch.nn.Module, optimized: torch.nn.Module) -> list[Timeline]:
-        """The step measured before (the caller's model) and after (fxopt's result)."""
-        return [measure_timeline(model, self.inputs, self.training, "before fxopt"),
-                measure_timeline(optimized, self.inputs, self.training, "after fxopt")]
+    @property
+    def seconds(self) -> float:
+        return self.pipeline_seconds + self.after_seconds
 
-    def page(self, name: str, inputs_text: str, report, timelines, estimates=(), timings=None) -> PageData:
-        return PageData(name, inputs_text, report, timelines, self.snapshots.stages, self.peaks.peaks,
-                        list(estimates), dict(timings or {}))
+    def write(self, path: str | pathlib.Path, name: str, model: torch.nn.Module, optimized: torch.nn.Module,
+              costs: CostEstimates, optimize_seconds: float) -> dict[str, float]:
+        """Measure the step before (the caller's model) and after (fxopt's result), write the page; return
+        where the time went (`phase_times`)."""
+        start = time.perf_counter()
+        timelines = [measure_timeline(model, self.inputs, self.training, "before fxopt"),
+                     measure_timeline(optimized, self.inputs, self.training, "after fxopt")]
+        self.after_seconds += time.perf_counter() - start
+        report = optimized.fxopt_report
+        timings = phase_times(optimize_seconds, report, costs, self)
+        estimates = [costs.around(k) for k in range(1, len(report.passes) + 1)]
+        page = PageData(name, describe_inputs(self.inputs), report, timelines, self.snapshots.stages,
+                        self.peaks.peaks, estimates, timings)
+        try:
+            write_page(path, page)
+        except OSError as e:
+            raise FxoptError(f"cannot write the HTML page to {str(path)!r}: {e.strerror}") from e
+        return timings
 
 
 def describe_inputs(inputs: tuple) -> str:
@@ -64,24 +81,5 @@ def optimize_and_explain(model: torch.nn.Module, example_inputs, path: str | pat
     start = time.perf_counter()
     optimized = optimize(model, inputs, mode=mode, passes=passes, verify=verify,
                          instruments=[costs, *recorder.instruments], **pass_options)
-    total = time.perf_counter() - start
-    report = optimized.fxopt_report
-    start = time.perf_counter()
-    timelines = recorder.timelines(model, optimized)
-    timings = phase_times(total, report, costs, recorder, time.perf_counter() - start)
-    estimates = [costs.around(k) for k in range(1, len(report.passes) + 1)]
-    write_page(path, recorder.page(type(model).__name__, describe_inputs(inputs), report, timelines,
-                                   estimates, timings))
+    recorder.write(path, type(model).__name__, model, optimized, costs, time.perf_counter() - start)
     return optimized
-
-
-def phase_times(total: float, report, costs: CostEstimates, recorder: PageRecorder | None,
-                after_seconds: float = 0.0) -> dict[str, float]:
-    """Where the time of an `optimize` call that took `total` seconds went (and `after_seconds` measuring after)."""
-    passes = sum(p.seconds for p in report.passes)
-    measuring = (recorder.seconds if recorder else 0.0) + after_seconds
-    times = {"capture and checks": total - passes - costs.seconds - (recorder.seconds if recorder else 0.0),
-             "passes": passes, "estimates": costs.seconds}
-    if recorder is not None:
-        times["measuring memory"] = measuring
-    return times
