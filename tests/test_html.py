@@ -197,6 +197,17 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
         check_matplotlib()
 
 
+class Wrapper(nn.Module):
+    """Calls a graph module it holds, as a result with guards does."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.graph_module = inner
+
+    def forward(self, x):
+        return self.graph_module(x)
+
+
 def test_exported_graph_ops_are_attributed_to_modules():
     """An exported graph of ATen ops (torch.export, nn_module_stack on each node) gets the same peak as
     the eager model, with its ops attributed to the modules the graph recorded."""
@@ -204,11 +215,13 @@ def test_exported_graph_ops_are_attributed_to_modules():
     model, x = DeepMLP().train(), torch.randn(4, 32)
     exported = torch.export.export(model, (x,), strict=False).module()
     eager = measure_timeline(model, (x,), training=True, label="eager")
-    graph = measure_timeline(exported, (x,), training=True, label="exported")
-    assert graph.peak_bytes == eager.peak_bytes
-    forward = {p.where for p in graph.points if p.phase == "forward"}
-    backward = {p.where for p in graph.points if p.phase == "backward"}
-    assert "blocks.3.1" in forward and "blocks.3.1" in backward  # the fourth block's LayerNorm
+    for runs_graph in (exported, Wrapper(exported)):
+        graph = measure_timeline(runs_graph, (x,), training=True, label="exported")
+        assert graph.peak_bytes == eager.peak_bytes
+        forward = {p.where for p in graph.points if p.phase == "forward"}
+        backward = {p.where for p in graph.points if p.phase == "backward"}
+        assert "blocks.3.1" in forward and "blocks.3.1" in backward  # the fourth block's LayerNorm
+    assert "forward" not in vars(exported)  # the graph runs its generated code again
 
 
 def test_export_stand_in_for_no_module_is_the_model():

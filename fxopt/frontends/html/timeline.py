@@ -5,8 +5,9 @@ loss and backward) under the same storage-counting dispatch mode as `fxopt.measu
 and records, after each op, the bytes of the storages the step created that are still alive
 (parameters, buffers, inputs and the gradients left after the step are not counted, as there).
 Each op is labelled with where it ran: the innermost module running (forward hooks; in a
-GraphModule, also the module path of the graph node running, from its `nn_module_stack`, so an
-exported graph of ATen ops is attributed as finely as the eager model), or in backward the module
+GraphModule -- the model, or one a wrapper calls -- the module path of the graph node running, from
+its `nn_module_stack`, so an exported graph of ATen ops is attributed as finely as the eager
+model), or in backward the module
 whose forward made the autograd node being run; an op run in backward while a module's forward is
 running is a recomputation (a checkpointed region).
 
@@ -153,13 +154,27 @@ class _AttributingInterpreter(fx.Interpreter):
         return out
 
 
-def _forward(model: torch.nn.Module, stack: list[str], made_by: dict[int, str]):
-    """How to call `model` so its ops are attributed: node by node for a GraphModule that records
-    module paths, else the model itself (hooks do the attribution)."""
-    graph = getattr(model, "graph", None)
-    if isinstance(model, fx.GraphModule) and any(n.meta.get("nn_module_stack") for n in graph.nodes):
-        return lambda *inputs: _AttributingInterpreter(model, stack, made_by).run(*inputs)
-    return model
+@contextlib.contextmanager
+def _graphs_run_node_by_node(model: torch.nn.Module, stack: list[str], made_by: dict[int, str]):
+    """Every GraphModule in `model` (the model itself, or one a wrapper calls) that records module paths
+    runs node by node while this is active, so its ops are attributed to those modules."""
+    patched = []
+    for m in model.modules():
+        if isinstance(m, fx.GraphModule) and any(n.meta.get("nn_module_stack") for n in m.graph.nodes):
+            generated = m.forward
+
+            def forward(*args, _gm=m, _generated=generated, **kwargs):
+                if kwargs:
+                    return _generated(*args, **kwargs)
+                return _AttributingInterpreter(_gm, stack, made_by).run(*args)
+
+            m.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
+            patched.append(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
 
 
 @contextlib.contextmanager
@@ -192,11 +207,12 @@ def measure_timeline(model: torch.nn.Module, inputs: tuple, training: bool, labe
     keep = [t.untyped_storage() for t in [*model.parameters(), *model.buffers(), *inputs]
             if isinstance(t, torch.Tensor)]  # ids are only unique while alive
     mode = _TimelineMode(preexisting, stack, made_by)
-    with _untouched(model), _module_stack(model, stack, made_by), torch.set_grad_enabled(training):
+    with _untouched(model), _module_stack(model, stack, made_by), _graphs_run_node_by_node(model, stack, made_by), \
+            torch.set_grad_enabled(training):
         for p in model.parameters():
             p.grad = None
         with mode:
-            output = _forward(model, stack, made_by)(*inputs)
+            output = model(*inputs)
             loss = _loss(output) if training else None
             del output
             if loss is not None:
