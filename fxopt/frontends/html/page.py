@@ -96,6 +96,8 @@ def _summary(data: PageData) -> str:
 def _pass_table(data: PageData) -> str:
     training = data.report.mode == "training"
     peaks = data.stage_peaks if len(data.stage_peaks) == len(data.report.passes) + 1 else []
+    if all(p is None for p in peaks):
+        peaks = []  # the model is not one graph: no stage can run alone
     verified = any(p.max_abs_diff is not None for p in data.report.passes)
     head = ["pass", "nodes", "what happened", "FLOPs (est.)"] + (["saved for backward (est.)"] if training else []) \
         + (["peak (measured)"] if peaks else []) + ["time"] + (["max |diff|"] if verified else [])
