@@ -90,6 +90,13 @@ def test_file_as_dump_dir(in_repo, capsys, tmp_path):
     assert "is a file, not a folder" in err
 
 
+def test_folder_as_html_page(in_repo, capsys, tmp_path):
+    """A folder given as --html, or a file in a missing folder, is said at once, before any work."""
+    args = ["inspect", f"{TINY}:TinyConvNet", "--input-shape", "2x3x8x8", "--html"]
+    assert "is a folder: give a file name" in _error(capsys, [*args, str(tmp_path)])
+    assert "does not exist" in _error(capsys, [*args, str(tmp_path / "missing" / "page.html")])
+
+
 def test_huge_input_shape(in_repo, capsys):
     """An input larger than the machine's memory is refused with its size, never allocated."""
     err = _error(capsys, ["inspect", f"{TINY}:TinyConvNet", "--input-shape", "100000x3x1000x1000"])

@@ -79,6 +79,7 @@ def _check_options(args, options: dict) -> None:
     if getattr(args, "dump_dir", None):
         _check_writable_folder(args.dump_dir)
     if getattr(args, "html", None):
+        _check_page_path(args.html)
         from .html.plot import check_matplotlib
         check_matplotlib()
 
@@ -95,6 +96,18 @@ def _check_writable_folder(path: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FxoptError(f"--dump-dir {path!r} cannot be created: {e.strerror}") from e
+
+
+def _check_page_path(path: str) -> None:
+    import pathlib
+
+    from ..errors import FxoptError
+
+    page = pathlib.Path(path)
+    if page.is_dir():
+        raise FxoptError(f"--html {path!r} is a folder: give a file name, e.g. {str(page / 'fxopt.html')!r}")
+    if not page.parent.is_dir():
+        raise FxoptError(f"--html {path!r}: the folder {str(page.parent)!r} does not exist")
 
 
 def _prepare(args, progress):
