@@ -211,3 +211,76 @@ def set_reload_tracer(gm, tracer_cls) -> None:
 def tensor_versions(tensors) -> list[int]:
     """Each tensor's version counter (bumped by every in-place change)."""
     return [t._version for t in tensors]
+
+
+# ---- guards (fxopt.guards) ----
+
+def tensor_version(t: torch.Tensor) -> int:
+    """A tensor's version counter (bumped by every in-place change through autograd-visible ops)."""
+    return t._version
+
+
+def global_module_hook_dicts() -> list[dict]:
+    """torch's global module hook dicts (forward-pre, forward, backward-pre, backward), as live objects."""
+    from torch.nn.modules import module as nn_module
+
+    return [nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
+            nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks]
+
+
+# ---- ATen operators in export graphs (fxopt.analysis) ----
+
+def aten_op_name(target) -> str | None:
+    """The ATen op's name without namespace and overload (`aten.relu_.default` -> "relu_"), or None."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        return target.overloadpacket.__name__
+    return None
+
+
+def aliased_argument(target) -> tuple[str, bool] | None:
+    """(argument name, written) when an ATen op's first result shares storage with an argument:
+    a view (`view`, `reshape`, `to`: not written) or an in-place / out= op (`relu_`, `add.out`: written)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return None
+    if returns_list(target):  # a list of views (`split`, `unbind`): `Tensor(a -> *) self`
+        views = [a.name for a in schema.arguments if a.alias_info is not None and not a.alias_info.is_write]
+        return (views[0], False) if views else None
+    if schema.returns[0].alias_info is None:
+        return None
+    sets = schema.returns[0].alias_info.before_set
+    for arg in schema.arguments:
+        if arg.alias_info is not None and arg.alias_info.before_set & sets:
+            return arg.name, arg.alias_info.is_write
+    return None
+
+
+def returns_list(target) -> bool:
+    """Whether an ATen op returns a list of tensors (`split`, `chunk`, `unbind`)."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
+
+
+def op_argument_names(target) -> tuple[str, ...]:
+    """The argument names of an ATen op, in schema order."""
+    return tuple(arg.name for arg in target._schema.arguments)
+
+
+# ---- capture (fxopt.capture) ----
+
+def noting_autograd_runs(callback):
+    """Context in which every `torch.autograd.grad` / `backward` call first calls `callback()`.
+
+    Both reach the engine through `torch.autograd._engine_run_backward`, a module global.
+    """
+    from unittest import mock
+
+    import torch.autograd as autograd
+
+    run = autograd._engine_run_backward
+
+    def noted(*args, **kwargs):
+        callback()
+        return run(*args, **kwargs)
+
+    return mock.patch.object(autograd, "_engine_run_backward", noted)
