@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 
 import torch.fx as fx
 
+from ..guards import GuardSet
+
 INFERENCE = "inference"
 TRAINING = "training"
 MODES = (INFERENCE, TRAINING)
@@ -63,6 +65,7 @@ class PassContext:
     constant_inputs: frozenset[str] = frozenset()
     frontend: str = "api"  # "api" (eager result) or "backend" (handed on to torch.compile)
     graph_path: str | None = None  # where the graph being rewritten sits: "" the whole model, None unknown
+    guards: GuardSet = dataclasses.field(default_factory=GuardSet)  # facts passes rely on (fxopt.guards)
 
 
 class Pass:
