@@ -284,3 +284,8 @@ def noting_autograd_runs(callback):
         return run(*args, **kwargs)
 
     return mock.patch.object(autograd, "_engine_run_backward", noted)
+
+
+def higher_order_op_type() -> type:
+    """The type of torch's higher-order operators (`torch.ops.higher_order.cond`, `wrap_with_autocast`, ...)."""
+    return torch._ops.HigherOrderOperator
