@@ -4,7 +4,7 @@ A pass or capture that relies on a fact about the model records one `Guard`: wha
 fact, about which module / parameter / input (`target`, a path in the model as the caller
 sees it), the value relied on, who relies on it (`owner`: "capture" or a pass name) and why.
 
-    ctx.guards.add(Guard(TRAINING, "layer1.0.bn1", False, "fold_conv_bn", "folded into layer1.0.conv1"))
+    ctx.guards.add(Guard(TRAIN_MODE, "layer1.0.bn1", False, "fold_conv_bn", "folded into layer1.0.conv1"))
 
 The optimized result binds its `GuardSet` to the model it stands for (`bind(model)`): paths
 are resolved once into the objects to read, grouped by kind, so a call checks a few flat
@@ -13,10 +13,10 @@ lists (`[m.training for m in modules] == expected`, microseconds for hundreds of
 holds, so the result can say which assumption changed.
 
 Kinds (what `expected` holds):
-  TRAINING       module path     -> bool: `module.training`
+  TRAIN_MODE       module path     -> bool: `module.training`
   REQUIRES_GRAD  parameter name  -> bool: `p.requires_grad`
   HOOKS          module path     -> the hook ids per kind (forward-pre, forward, backward-pre, backward)
-                 at record time, usually all empty; "" also covers torch's global module hooks
+                 at record time, usually all empty; target GLOBAL_HOOKS: torch's global module hooks
   MODULE         module path     -> class name: the same module object, of the same class, sits at the path
                  (catches a replaced layer, `torch.nn.utils.parametrize`, old-style weight_norm's class change)
   SAME_OBJECT    param/buffer    -> None: the same tensor object is registered under that name
@@ -26,8 +26,8 @@ Kinds (what `expected` holds):
                  `p.data = t`; NOT `p.data.mul_()`, which bumps no version counter)
   INPUT          "input[i]" / keyword name -> (shape, dtype) with None for a dynamic dimension
   ARGUMENT       "input[i]" / keyword name -> a non-tensor value the graph was specialized to
-  CALL           graph path      -> an object with `check(args, kwargs) -> str | None` (None: the graph
-                 may take the call, else why not) and `describe()`: capture's own call check, run as is
+  CALL           graph path      -> an object with `mismatch(args, kwargs) -> str | None` (None: the
+                 graph may take the call, else why not) and `describe()`: capture's own call check (CallSpec)
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import torch
 
 from . import _torch_private
 
-TRAINING = "training"
+TRAIN_MODE = "train_mode"
 REQUIRES_GRAD = "requires_grad"
 HOOKS = "hooks"
 MODULE = "module"
@@ -49,9 +49,10 @@ SAME_VALUE = "same_value"
 INPUT = "input"
 ARGUMENT = "argument"
 CALL = "call"
-KINDS = (TRAINING, REQUIRES_GRAD, HOOKS, MODULE, SAME_OBJECT, SAME_VALUE, INPUT, ARGUMENT, CALL)
+KINDS = (TRAIN_MODE, REQUIRES_GRAD, HOOKS, MODULE, SAME_OBJECT, SAME_VALUE, INPUT, ARGUMENT, CALL)
 
 NO_HOOKS = ((), (), (), ())
+GLOBAL_HOOKS = "<global>"  # the HOOKS target for torch's global module hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +72,12 @@ class Guard:
     def describe(self) -> str:
         """The fact in words: `layer1.0.bn1 in eval mode`."""
         where = self.target or "the model"
-        if self.kind == TRAINING:
+        if self.kind == TRAIN_MODE:
             return f"{where} in {'train' if self.expected else 'eval'} mode"
         if self.kind == REQUIRES_GRAD:
             return f"{self.target}.requires_grad is {self.expected}"
         if self.kind == HOOKS:
-            scope = f"{where} (and torch's global module hooks)" if not self.target else where
+            scope = "torch's global module hooks" if self.target == GLOBAL_HOOKS else where
             return f"no hooks added to or removed from {scope}"
         if self.kind == MODULE:
             return f"{where} is the same {self.expected} module"
@@ -105,14 +106,15 @@ class Guard:
 
 
 class GuardSet:
-    """The guards of one optimized graph, in the order recorded; duplicates are kept once."""
+    """The guards of one optimized model, in the order recorded; one per (kind, target): the first,
+    so a pass's or capture's specific reason wins over the whole-model default."""
 
     def __init__(self, guards: Iterable[Guard] = ()):
         self._guards: dict[tuple, Guard] = {}
         self.extend(guards)
 
     def add(self, guard: Guard) -> None:
-        self._guards.setdefault((guard.kind, guard.target, guard.owner), guard)
+        self._guards.setdefault((guard.kind, guard.target), guard)
 
     def extend(self, guards: Iterable[Guard]) -> None:
         for g in guards:
@@ -135,22 +137,32 @@ class GuardSet:
         return [(owner, kind, len(gs), gs[0].describe()) for (owner, kind), gs in groups.items()]
 
 
-def model_state_guards(model: torch.nn.Module, owner: str, reason: str, *, values: bool = False) -> list[Guard]:
+# Why an optimized model relies on each part of the model's state (the whole-model default guards).
+STATE_REASONS = {
+    TRAIN_MODE: "the graph was captured in this mode (batch_norm's training and dropout's train are baked in)",
+    MODULE: "the graph inlines this module's code",
+    HOOKS: "hooks added later would not run inside the graph",
+    REQUIRES_GRAD: "passes decided what keeps a gradient from requires_grad",
+    SAME_OBJECT: "the graph reads this tensor object",
+    SAME_VALUE: "inference passes may bake its value into the graph (folded weights)",
+}
+
+
+def model_state_guards(model: torch.nn.Module, owner: str, *, values: bool = False) -> list[Guard]:
     """Guards on the whole state of `model` as it is now: every module's mode, class and hooks,
     every parameter's identity and `requires_grad`, and with `values` every parameter's and
-    buffer's value (for a graph that baked them in)."""
-    guards = [Guard(HOOKS, "", _hook_ids(None), owner, reason)]
+    buffer's value (for a graph that baked them in). Reasons: STATE_REASONS."""
+    def guard(kind, target, expected):
+        return Guard(kind, target, expected, owner, STATE_REASONS[kind])
+
+    guards = [guard(HOOKS, GLOBAL_HOOKS, _hook_ids(None))]
     for path, module in model.named_modules(remove_duplicate=False):
-        guards.append(Guard(TRAINING, path, module.training, owner, reason))
-        guards.append(Guard(MODULE, path, type(module).__qualname__, owner, reason))
-        if path:
-            guards.append(Guard(HOOKS, path, _hook_ids(module), owner, reason))
+        guards += [guard(TRAIN_MODE, path, module.training), guard(MODULE, path, type(module).__qualname__),
+                   guard(HOOKS, path, _hook_ids(module))]
     for name, p in model.named_parameters(remove_duplicate=False):
-        guards.append(Guard(REQUIRES_GRAD, name, p.requires_grad, owner, reason))
-        guards.append(Guard(SAME_VALUE if values else SAME_OBJECT, name, None, owner, reason))
+        guards += [guard(REQUIRES_GRAD, name, p.requires_grad), guard(SAME_VALUE if values else SAME_OBJECT, name, None)]
     if values:
-        for name, _ in model.named_buffers(remove_duplicate=False):
-            guards.append(Guard(SAME_VALUE, name, None, owner, reason))
+        guards += [guard(SAME_VALUE, name, None) for name, _ in model.named_buffers(remove_duplicate=False)]
     return guards
 
 
@@ -226,11 +238,11 @@ class BoundGuards:
         for g in guards:
             by_kind[g.kind].append(g)
         self._by_kind = by_kind
-        self._modules = [self._module(g.target) for g in by_kind[TRAINING]]
-        self._training = [g.expected for g in by_kind[TRAINING]]
+        self._modules = [self._module(g.target) for g in by_kind[TRAIN_MODE]]
+        self._training = [g.expected for g in by_kind[TRAIN_MODE]]
         self._params = [self._tensor(g.target) for g in by_kind[REQUIRES_GRAD]]
         self._requires_grad = [g.expected for g in by_kind[REQUIRES_GRAD]]
-        self._hook_dicts_per_guard = [_hook_dicts(None if not g.target else self._module(g.target))
+        self._hook_dicts_per_guard = [_hook_dicts(None if g.target == GLOBAL_HOOKS else self._module(g.target))
                                       for g in by_kind[HOOKS]]
         self._hooks_empty, self._hooks_kept, self._hooks_kept_expected = [], [], []
         for g, dicts in zip(by_kind[HOOKS], self._hook_dicts_per_guard):
@@ -296,14 +308,14 @@ class BoundGuards:
                 and (not self._value_tensors or self._values_unchanged())
                 and all(_input_matches(read(args, kwargs), spec) for read, spec in self._inputs)
                 and all(_argument_matches(read(args, kwargs), value) for read, value in self._arguments)
-                and all(spec.check(args, kwargs) is None for spec in self._calls)):
+                and all(spec.mismatch(args, kwargs) is None for spec in self._calls)):
             return None
         return self._find_failure(args, kwargs or {})
 
     def _find_failure(self, args: tuple, kwargs: dict) -> Guard | None:
         """The guard that failed (slow path, only after `first_failure`'s fast check found one)."""
         b = self._by_kind
-        for g, m in zip(b[TRAINING], self._modules):
+        for g, m in zip(b[TRAIN_MODE], self._modules):
             if m.training != g.expected:
                 return g
         for g, p in zip(b[REQUIRES_GRAD], self._params):
@@ -331,7 +343,7 @@ class BoundGuards:
             if not _argument_matches(read(args, kwargs), value):
                 return g
         for g in b[CALL]:
-            if g.expected.check(args, kwargs) is not None:
+            if g.expected.mismatch(args, kwargs) is not None:
                 return g
         return None
 
