@@ -4,6 +4,8 @@ A torch upgrade that moves one of these should need a change here and nowhere el
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -69,6 +71,48 @@ def tree_leaves(tree) -> list:
     from torch.utils._pytree import tree_leaves as _leaves
 
     return _leaves(tree)
+
+
+def tree_flatten(tree) -> tuple[list, object]:
+    """(leaves, spec) of a nested structure, as torch.export flattens a call's (args, kwargs)."""
+    from torch.utils._pytree import tree_flatten as _flatten
+
+    return _flatten(tree)
+
+
+def tree_map(fn, tree):
+    from torch.utils._pytree import tree_map as _map
+
+    return _map(fn, tree)
+
+
+class UserCheckpointCall(Exception):
+    """Raised inside torch.export when the exported code calls torch.utils.checkpoint."""
+
+
+def refuse_user_checkpoint():
+    """Context in which a call of `torch.utils.checkpoint.checkpoint` raises UserCheckpointCall.
+
+    Non-strict export runs the checkpointed function inline and records no checkpoint: the
+    activation checkpointing the user asked for would silently disappear from the graph.
+    `checkpoint()` looks its two implementations up as module globals at call time.
+    """
+    import contextlib
+    from unittest import mock
+
+    import torch.utils.checkpoint as ckpt
+
+    def refuse(*args, **kwargs):
+        raise UserCheckpointCall("forward calls torch.utils.checkpoint; export would inline the block and "
+                                 "drop the checkpointing, so this module runs as written")
+
+    class _Refused:
+        apply = staticmethod(refuse)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(ckpt, "CheckpointFunction", _Refused))
+    stack.enter_context(mock.patch.object(ckpt, "_checkpoint_without_reentrant_generator", refuse))
+    return stack
 
 
 def module_hooks(module: torch.nn.Module) -> list[str]:
@@ -183,13 +227,15 @@ def make_buffers_non_persistent(gm, names) -> None:
     GraphModule's deepcopy re-registers every get_attr tensor as a persistent buffer, so the
     marking is repeated by a deepcopy hook.
     """
-    def mark(module) -> None:
-        for name in names:
-            owner, _, attr = name.rpartition(".")
-            module.get_submodule(owner)._non_persistent_buffers_set.add(attr)
-
+    mark = functools.partial(_mark_non_persistent, names=tuple(names))  # picklable, unlike a closure
     mark(gm)
     gm._register_deepcopy_hook(mark)
+
+
+def _mark_non_persistent(module, names) -> None:
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        module.get_submodule(owner)._non_persistent_buffers_set.add(attr)
 
 
 def profiler_memory_events(prof) -> list[tuple[int, int]]:
@@ -197,15 +243,6 @@ def profiler_memory_events(prof) -> list[tuple[int, int]]:
     `torch.profiler.profile(profile_memory=True)` run recorded, in time order."""
     events = prof.profiler.kineto_results.events()
     return sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-
-
-def set_reload_tracer(gm, tracer_cls) -> None:
-    """Make `torch.load` of a saved `gm` rebuild it by tracing its code with `tracer_cls`.
-
-    GraphModule pickles the class of the tracer that built it and constructs it without
-    arguments on load; fxopt's capture tracers take arguments.
-    """
-    gm._tracer_cls = tracer_cls
 
 
 def tensor_versions(tensors) -> list[int]:
@@ -289,3 +326,30 @@ def noting_autograd_runs(callback):
 def higher_order_op_type() -> type:
     """The type of torch's higher-order operators (`torch.ops.higher_order.cond`, `wrap_with_autocast`, ...)."""
     return torch._ops.HigherOrderOperator
+
+
+class OpReference(tuple):
+    """A picklable name for an ATen operator or higher-order op: ("aten::conv2d", "default") / ("higher_order", name)."""
+
+
+def op_reference(target):
+    """`target` itself if it pickles by reference, else an OpReference (OpOverloads and HOPs do not pickle)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return OpReference((target._schema.name, target._overloadname))
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return OpReference((target._qualified_op_name, None))
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return OpReference(("higher_order", target.name()))
+    return target
+
+
+def op_from_reference(target):
+    """The operator an `op_reference` named (anything else is returned as it is)."""
+    if not isinstance(target, OpReference):
+        return target
+    qualified, overload = target
+    if qualified == "higher_order":
+        return getattr(torch.ops.higher_order, overload)
+    namespace, name = qualified.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
