@@ -158,10 +158,7 @@ class FoldConvBN(Pass):
                 folded = graph.call_function(folded_conv_bn_params, args, kwargs)
                 weight = graph.call_function(operator.getitem, (folded, 0))
                 bias = graph.call_function(operator.getitem, (folded, 1))
-            if isinstance(layer, ConvCall):
-                new = graph.call_function(layer.function, layer.functional_args(layer.input, weight, bias))
-            else:
-                new = graph.call_function(torch.nn.functional.linear, (layer.input, weight, bias))
+            new = graph.call_function(*layer.call_with(weight, bias))
         new.meta.update(bn.node.meta)
         bn.node.replace_all_uses_with(new)
         graph.erase_node(bn.node)

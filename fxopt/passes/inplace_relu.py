@@ -26,6 +26,9 @@ When it refuses an in-place rewrite (reason in the report):
   saved_by_other_op      (training) another op keeps the input for backward (e.g. a `mul` reading it)
   backward_needs_input   (training) hardtanh/relu6/hardswish/silu, or a negative slope/alpha:
                          in place, autograd would keep a copy of the input (or cannot differentiate)
+  output_written_later   (training) leaky_relu/elu, whose in-place form keeps its OUTPUT for backward
+                         (out of place they keep the input), and the model later writes that output
+                         in place: backward would fail with autograd's version-counter error
 In training, relu keeps a mask only where nothing else keeps its output alive; otherwise:
   mask_kept_by_other_op  another op keeps the output for backward anyway (a following conv/linear)
   mask_graph_output      the output is returned by the graph, so it stays alive anyway
@@ -40,9 +43,11 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..analysis.activations import ActivationCall, match_activation
-from ..analysis.aliasing import MULTI_OUTPUT_VIEW_OPS, AliasInfo, has_internal_overlap
-from ..analysis.saved_tensors import dropout_training, is_known_op, op_name, saved_for_backward
+from ..analysis.aliasing import AliasInfo, has_internal_overlap, returns_several_views
+from ..analysis.saved_tensors import (dropout_training, is_known_op, keeps_output_only_in_place, op_name,
+                                      saved_for_backward)
 from ..analysis.shapes import tensor_meta
+from ..analysis.side_effects import MUTATION, effects
 from ._relu_mask import relu_mask, relu_mask_
 from .base import TRAINING, Pass, PassContext, PassResult
 
@@ -65,7 +70,7 @@ def _inplace_refusal(act: ActivationCall, gm: fx.GraphModule, aliases: AliasInfo
     if inputs:
         what = "a graph input" if inputs[0].op == "placeholder" else "a parameter or buffer"
         return "graph_input", f"{x.name} is {'' if inputs[0] is x else 'a view of '}{what} ({inputs[0].name})"
-    views = [a for a in group if op_name(a, gm) in MULTI_OUTPUT_VIEW_OPS]
+    views = [a for a in group if returns_several_views(a, gm)]
     if views or has_internal_overlap(x):
         why = f"one of several views returned by {_describe(views[0], gm)}" if views else "an expanded view"
         return "aliased", f"{x.name} is {why}; autograd or the kernel forbids writing it in place"
@@ -80,6 +85,11 @@ def _inplace_refusal(act: ActivationCall, gm: fx.GraphModule, aliases: AliasInfo
         return "", ""
     if act.kind in _BACKWARD_NEEDS_INPUT or min(act.params.get("negative_slope", 0), act.params.get("alpha", 0)) < 0:
         return "backward_needs_input", f"in place, autograd would keep a copy of {x.name} for {act.kind}'s backward"
+    if keeps_output_only_in_place(act.kind):
+        writers = [a for a in aliases.aliases(node) if a is not node and MUTATION in effects(a, gm)]
+        if writers:
+            return "output_written_later", (f"{_describe(writers[0], gm)} writes {node.name} in place, which "
+                                            f"{act.kind}_ would keep for backward")
     for a in group:
         if a is not node and saved_for_backward(a, gm).saves_output:
             return "producer_saves_output", f"{_describe(a, gm)} keeps its output for backward"

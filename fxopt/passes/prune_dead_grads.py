@@ -37,12 +37,17 @@ statistics. In inference mode only dead-code elimination runs (nothing is record
 When it refuses (reason in the report):
   not_model_outputs   differentiable_outputs given, but this graph's outputs are not the model's
                       (a captured submodule, or a Dynamo graph on the torch.compile path)
-  not_importable      a function outside the loss that the graph cannot name again (an ATen
-                      overload): it stays recorded (the nodes around it still run without grad)
+  not_importable      a function outside the loss that the graph cannot name again: it stays
+                      recorded (the nodes around it still run without grad)
+  region              a grad-mode or autocast region of an exported graph outside the loss: it runs
+                      as the user wrote it (a barrier), the nodes around it run without grad
   module_has_hooks    the conv/BN module has hooks, which a functional replacement would skip
   unsupported_conv    padding_mode other than zeros, ConvTranspose with output_size, string padding
   unbatched           a conv input without a batch dimension
   mixed_dtype         a BatchNorm whose statistics and input differ in dtype (autocast, half)
+  state_written       a frozen BatchNorm whose statistics or affine parameters the graph itself
+                      writes (a train-mode BN sharing them, an in-place op): eager autograd reads them
+                      at backward time, after the write, so `x * scale + shift` would differ
   no_waste            the op does not keep its input here (nothing to gain)
 
 Limits: like fold_conv_bn, a BatchNorm's eval mode is taken as given at optimize time. Double
@@ -64,10 +69,11 @@ import torch.fx as fx
 from .. import _torch_private
 from ..analysis.costs import estimate_costs, placeholder_values
 from ..analysis.grad_needs import GradNeeds, analyze_grad_needs, really_saved
-from ..analysis.ops import ConvCall, match_batch_norm, match_conv, materialize, resolve
+from ..analysis.ops import ConvCall, match_batch_norm, match_conv, materialize, region_of, resolve
 from ..analysis.saved_tensors import op_name
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import importable_name, removable_if_unused
+from ..analysis.written_state import state_key, written_state
 from ..errors import FxoptError
 from ._frozen_ops import (call_method_without_grad, call_without_grad, conv_saving_what_grads_need,
                           eval_batch_norm_scale_shift)
@@ -203,9 +209,12 @@ class PruneDeadGrads(Pass):
         graph = gm.graph
         for node in needs.no_grad_nodes:
             wrapper, target = call_without_grad, node.target
+            if region_of(node, gm) is not None:
+                result.record("refused", node, "region", "a grad-mode/autocast region runs as written; it stays recorded")
+                continue
             if node.op == "call_method":
                 wrapper = call_method_without_grad
-            elif node.op == "call_function":
+            elif node.op == "call_function" and not _torch_private.aten_op_name(node.target):  # ATen ops print
                 target = importable_name(node.target)
                 if target is None:
                     result.record("refused", node, "not_importable",
@@ -320,6 +329,12 @@ class PruneDeadGrads(Pass):
         mean = mean if mean is not None else tensor_meta(bn.running_mean)
         if x is None or mean is None or x.dtype != mean.dtype:
             result.record("refused", node, "mixed_dtype", "statistics and input differ in dtype")
+            return False
+        written = written_state(gm)
+        if any(r is not None and state_key(r, gm) in written for r in (bn.running_mean, bn.running_var, bn.weight,
+                                                                         bn.bias)):
+            result.record("refused", node, "state_written", "a statistic or affine parameter is also written by "
+                                                            "the graph (train-mode BN sharing it, in-place op)")
             return False
         reason, detail = self._refusal(node, gm, needs, bn.input)
         if reason:
