@@ -298,9 +298,17 @@ def returns_list(target) -> bool:
     return schema is not None and len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
 
 
-def op_argument_names(target) -> tuple[str, ...]:
-    """The argument names of an ATen op, in schema order."""
-    return tuple(arg.name for arg in target._schema.arguments)
+def bind_aten_arguments(target, args: tuple, kwargs: dict) -> dict:
+    """{argument name: value} of an ATen op call, defaults filled in, in schema order."""
+    bound = {}
+    for i, arg in enumerate(target._schema.arguments):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
 
 
 # ---- capture (fxopt.capture) ----
@@ -353,3 +361,27 @@ def op_from_reference(target):
     namespace, name = qualified.split("::")
     packet = getattr(getattr(torch.ops, namespace), name)
     return packet if overload is None else getattr(packet, overload)
+
+
+def quiet_export_logs():
+    """Context in which torch.export's diagnostics (a warning with the partial graph when it gives up) stay unprinted.
+
+    fxopt reports export's reason itself, in the report of the module that stays opaque.
+    """
+    import contextlib
+    import logging
+
+    @contextlib.contextmanager
+    def quiet():
+        loggers = [logging.getLogger(name) for name in
+                   ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export", "torch._dynamo")]
+        levels = [logger.level for logger in loggers]
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+    return quiet()
