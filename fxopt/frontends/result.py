@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +67,7 @@ class OptimizedModule(torch.nn.Module):
         # The model's own dicts, shared (not copied): its state and submodules are the result's.
         d.update(_parameters=original._parameters, _buffers=original._buffers, _modules=original._modules,
                  _non_persistent_buffers_set=original._non_persistent_buffers_set)
+        first.bound = first.guards.bind(original)  # now: the state the variant was built for
         d["_variants"] = [first]
         d["_rebuild"] = rebuild  # (original, args, kwargs, settings) -> Variant
         d["_settings"] = settings
@@ -112,7 +112,6 @@ class OptimizedModule(torch.nn.Module):
             return self.original(*args, **kwargs)
         self._variants.insert(0, variant)
         self._event(failed, REOPTIMIZED)
-        _bound(variant, self.original)
         return _run(variant, args, kwargs)
 
     def _optimize_for_current_state(self, args: tuple, kwargs: dict) -> tuple[Variant | None, str]:
@@ -123,12 +122,13 @@ class OptimizedModule(torch.nn.Module):
         try:
             with _clean_optimization_context():
                 variant = self._rebuild(self.original, args, kwargs, settings)
+            variant.bound = variant.guards.bind(self.original)
             return variant, ""
         except Exception as e:  # noqa: BLE001 - whatever fails, the original still computes the right thing
             reason = f"{type(e).__name__}: {e}".splitlines()[0]
         # Remember the state, so later calls in it run the original without trying again.
         guards = GuardSet(model_state_guards(self.original, "fxopt"))
-        self._variants.insert(0, Variant(self.original, guards))
+        self._variants.insert(0, Variant(self.original, guards, bound=guards.bind(self.original)))
         return None, reason
 
     def _event(self, guard: Guard | None, action: str) -> None:
@@ -137,10 +137,7 @@ class OptimizedModule(torch.nn.Module):
         who = f" ({guard.owner}: {guard.reason})" if guard is not None and guard.reason else ""
         key = (what, action)
         if self.fxopt_report is not None:
-            events = getattr(self.fxopt_report, "guard_events", None)
-            if events is None:
-                events = self.fxopt_report.guard_events = Counter()
-            events[f"{what}: {action}"] += 1
+            self.fxopt_report.guard_events[f"{what}: {action}"] += 1
         if key in self._warned:
             return
         self._warned.add(key)
@@ -181,7 +178,7 @@ class OptimizedModule(torch.nn.Module):
         for variant in self._variants:
             if variant.module is not self.original:
                 variant.module._apply(fn, recurse)
-            variant.bound = None
+            variant.bound = variant.guards.bind(self.original)  # converted alike: valid for the new tensors
         return self
 
     def __getattr__(self, name: str):
@@ -206,6 +203,7 @@ class OptimizedModule(torch.nn.Module):
 
 
 def _bound(variant: Variant, original: torch.nn.Module) -> BoundGuards:
+    """The variant's guards resolved against `original` (after unpickling: bound at the first call)."""
     if variant.bound is None:
         variant.bound = variant.guards.bind(original)
     return variant.bound
