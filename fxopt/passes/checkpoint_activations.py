@@ -24,13 +24,15 @@ fits, the plan with the lowest estimated peak, and the report says so.
 
 Why it is safe: a recomputed region computes the same values from the same inputs; the
 non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
-same mask; a train-mode BatchNorm updates its running statistics on the first run only;
+same mask; a BatchNorm updates its running statistics on the first run only, in whichever mode
+it is when the step runs;
 parameters are shared, so gradients accumulate into the same tensors.
 
 When a node stays out of every region (reason in the report):
-  bn_training           a train-mode BatchNorm in functional form, or a subclass: recomputing it would
-                        update its running statistics twice (nn.BatchNorm1d/2d/3d modules may be
-                        recomputed: their recomputation leaves the statistics alone, `batch_norm_once`)
+  bn_training           a train-mode BatchNorm subclass or one called in a form fxopt cannot rewrite:
+                        recomputing it would update its running statistics twice (nn.BatchNorm1d/2d/3d
+                        modules, `F.batch_norm` and `aten.batch_norm` may be recomputed: a recomputation
+                        updates throwaway copies, `batch_norm_once`)
   mutation              an in-place op: recomputing after it ran would read the mutated tensor
   already_checkpointed  a region the user (or an earlier run) checkpointed: left as it is
   unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
@@ -53,7 +55,7 @@ from ..analysis.saved_tensors import op_name
 from ..analysis.side_effects import MUTATION, effects
 from ..errors import FxoptError
 from ._checkpoint_plan import plan_regions
-from ._checkpoint_region import CheckpointedRegion, extract_region, is_train_batch_norm_module
+from ._checkpoint_region import CheckpointedRegion, can_recompute_batch_norm, extract_region, is_lone_state_update
 from .base import TRAINING, Pass, PassContext, PassResult
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -83,15 +85,17 @@ def parse_budget(value) -> tuple[str, float]:
     return "fraction", float(value)
 
 
-def _barrier(node: fx.Node, gm: fx.GraphModule) -> str:
+def refusal(node: fx.Node, gm: fx.GraphModule) -> str:
     """Why `node` may not be recomputed inside a region (see module docstring), or ""."""
     if node.op == "call_module" and isinstance(gm.get_submodule(node.target), CheckpointedRegion):
         return "already_checkpointed"
     if node.op == "call_function" and node.target is torch.utils.checkpoint.checkpoint:
         return "already_checkpointed"
     bn = match_batch_norm(node, gm)
-    if bn is not None and bn.training is not False and not is_train_batch_norm_module(node, gm):
+    if bn is not None and bn.training is not False and not can_recompute_batch_norm(node, gm):
         return "bn_training"
+    if is_lone_state_update(node):
+        return ""
     name = op_name(node, gm)
     if name is None:
         return "unknown_op"
@@ -136,7 +140,7 @@ class CheckpointActivations(Pass):
             return result
         allowed = []
         for step in profile.steps:
-            reason = _barrier(step.node, gm)
+            reason = refusal(step.node, gm)
             allowed.append(not reason)
             if reason:
                 result.record("refused", step.node, reason, "kept out of every checkpointed region")
