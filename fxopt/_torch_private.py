@@ -364,11 +364,13 @@ def op_from_reference(target):
 
 
 def quiet_export_logs():
-    """Context in which torch.export's diagnostics (a warning with the partial graph when it gives up) stay unprinted.
+    """Context in which torch.export's diagnostics stay unprinted: its log warnings, and the partial graph
+    `torch.export._trace` prints to stderr when it gives up.
 
     fxopt reports export's reason itself, in the report of the module that stays opaque.
     """
     import contextlib
+    import io
     import logging
 
     @contextlib.contextmanager
@@ -379,7 +381,8 @@ def quiet_export_logs():
         for logger in loggers:
             logger.setLevel(logging.ERROR)
         try:
-            yield
+            with contextlib.redirect_stderr(io.StringIO()):
+                yield
         finally:
             for logger, level in zip(loggers, levels):
                 logger.setLevel(level)

@@ -31,7 +31,7 @@ from .specialized import Specialization, SpecializedCall, describe_assumptions
 from .stand_in import stand_in_for
 from .state import record_submodule_calls
 
-__all__ = ["Capture", "CapturedGraph", "OpaqueModule", "Specialization", "capture"]
+__all__ = ["Capture", "CapturedGraph", "OpaqueModule", "Specialization", "capture", "check_initialized"]
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ def _is_torch_leaf(module: torch.nn.Module) -> bool:
     return type(module).__module__.startswith("torch.nn.") and not any(True for _ in module.children())
 
 
-def _check_initialized(model: torch.nn.Module) -> None:
+def check_initialized(model: torch.nn.Module) -> None:
     """A lazy module (LazyBatchNorm2d, LazyLinear) has no shapes until its first call: say so, as the reason."""
     for path, m in model.named_modules():
         if isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
@@ -150,7 +150,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     """Export `model` as called with (args, kwargs), falling back to its children (see module docstring)."""
     if not isinstance(model, torch.nn.Module):
         raise FxoptError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    _check_initialized(model)
+    check_initialized(model)
     capturer = _Capturer(model, tuple(args), dict(kwargs or {}))
     try:
         result = capturer.capture_call(model, "", capturer.args, capturer.kwargs)

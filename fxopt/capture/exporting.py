@@ -58,7 +58,8 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exporte
     except TypeError as e:  # the call does not bind to forward's signature
         return f"{type(e).__name__}: {e}"
     try:
-        with preserved_state(module, (args, kwargs)), _torch_private.refuse_user_checkpoint():
+        with preserved_state(module, (args, kwargs)), _torch_private.refuse_user_checkpoint(), \
+                _torch_private.quiet_export_logs():
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
     except Exception as e:  # noqa: BLE001 - any refusal keeps this module opaque, with export's reason
         return describe_failure(e, module)
@@ -83,7 +84,8 @@ def _plain_graph_module(exported: fx.GraphModule, class_name: str) -> fx.GraphMo
 
 def describe_failure(e: BaseException, module: torch.nn.Module) -> str:
     """Export's own reason, where it happened in the user's code, shortened at a word boundary."""
-    message = " ".join(str(e).split()) or type(e).__name__
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    message = " ".join(lines[0].split()) if lines else type(e).__name__
     reason = textwrap.shorten(f"{type(e).__name__}: {message}", _REASON_WIDTH, placeholder=" ...")
     return f"{reason} ({user_code_location(e, module)})"
 

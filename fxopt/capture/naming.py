@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+_EXPORT_PLACEHOLDER_ENTRY = "_empty_nn_module_stack"  # export's entry for nodes it made outside any module
+
 
 def module_path(node: fx.Node) -> str | None:
     """The path of the innermost module that computed `node` ("" = the model itself), or None without the meta."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None
-    path, _ = next(reversed(stack.values()))
-    return path
+    paths = [path for path, _ in stack.values() if not path.startswith(_EXPORT_PLACEHOLDER_ENTRY)]
+    return paths[-1] if paths else ""

@@ -57,7 +57,7 @@ class SpecializedCall(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if "graph_module" not in self.__dict__:  # while unpickling
+            if name.startswith("__") or "graph_module" not in self.__dict__:  # copy/pickle protocols; unpickling
                 raise
             return getattr(self.__dict__["graph_module"], name)
 
