@@ -21,7 +21,7 @@ regions already meets returns at once: nothing to recompute.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..analysis.memory import Region, StepProfile, estimate, segment_effect
 
@@ -52,9 +52,11 @@ def _prune(labels: list[_Label], objective: str) -> list[_Label]:
 
 
 def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[bool],
-                 objective: str = "cost") -> tuple[Region, ...] | None:
+                 objective: str = "cost", allowed: Callable[[Region], bool] = lambda region: True
+                 ) -> tuple[Region, ...] | None:
     """The plan with the least recompute cost (objective "cost") whose estimated backward peak is at
-    most `budget` bytes, or the plan with the lowest peak (objective "peak"); None if none fits."""
+    most `budget` bytes, or the plan with the lowest peak (objective "peak"); None if none fits.
+    Only regions `allowed` accepts are used."""
     n = len(profile.steps)
     if objective == "cost" and estimate(profile).backward_peak <= budget:
         return ()
@@ -82,7 +84,7 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
                     selective = Region(i, stop, save_counted=True)
                     if profile.region_cost(selective) < profile.region_cost(whole):  # it has a matmul to keep
                         variants.append(selective)
-                    for region in variants:
+                    for region in filter(allowed, variants):
                         effect = segment_effect(profile, held, label.kept, region)
                         if effect.peak <= budget:
                             add(stop, effect.held, _Label(effect.kept_bytes, label.cost + profile.region_cost(region),

@@ -56,6 +56,7 @@ from ..analysis.side_effects import MUTATION, effects
 from ..errors import FxoptError
 from ._checkpoint_plan import plan_regions
 from ._checkpoint_region import CheckpointedRegion, can_recompute_batch_norm, extract_region, is_lone_state_update
+from ._checkpoint_writes import KeptWrites
 from .base import TRAINING, Pass, PassContext, PassResult
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -99,7 +100,7 @@ def refusal(node: fx.Node, gm: fx.GraphModule) -> str:
     name = op_name(node, gm)
     if name is None:
         return "unknown_op"
-    if MUTATION in effects(node, gm):
+    if MUTATION in effects(node, gm) and not can_recompute_batch_norm(node, gm):
         return "mutation"
     return ""
 
@@ -138,22 +139,36 @@ class CheckpointActivations(Pass):
         if profile is None:
             result.skipped = "the graph cannot run on fake tensors, so its memory cannot be estimated"
             return result
-        allowed = []
+        checkpointable = []
         for step in profile.steps:
             reason = refusal(step.node, gm)
-            allowed.append(not reason)
+            checkpointable.append(not reason)
             if reason:
                 result.record("refused", step.node, reason, "kept out of every checkpointed region")
         before = estimate(profile)
         limit = amount * before.peak if kind == "fraction" else amount
-        regions = plan_regions(profile, limit, allowed)
+        writes, conflicts = KeptWrites(gm, profile.steps), {}
+
+        def keeps_nothing_written_later(region: Region) -> bool:
+            conflict = writes.conflict(region)
+            if conflict is not None:
+                conflicts.setdefault(conflict, region)
+            return conflict is None
+
+        regions = plan_regions(profile, limit, checkpointable, allowed=keeps_nothing_written_later)
         if regions is None:
-            lowest_plan = plan_regions(profile, math.inf, allowed, objective="peak")
+            lowest_plan = plan_regions(profile, math.inf, checkpointable, objective="peak",
+                                       allowed=keeps_nothing_written_later)
             lowest = estimate(profile, lowest_plan).backward_peak
-            cheapest = plan_regions(profile, lowest, allowed)  # the cheapest plan at that peak
+            cheapest = plan_regions(profile, lowest, checkpointable, allowed=keeps_nothing_written_later)
             regions = cheapest if cheapest is not None else lowest_plan
             result.record("refused", "<graph>", "budget_unreachable",
                           f"no plan fits {limit / 1e6:.2f} MB; lowest estimated peak {lowest / 1e6:.2f} MB")
+        for (value, writer), region in conflicts.items():
+            first, last = profile.steps[region.start].node.name, profile.steps[region.stop - 1].node.name
+            result.record("refused", value, "kept_tensor_written_later",
+                          f"{writer.name} writes it in place later; no region keeps it (refused: "
+                          f"{'selective ' if region.save_counted else ''}region {first}..{last})")
         after = estimate(profile, regions)
         names = []
         for region in regions:

@@ -1,0 +1,64 @@
+"""Which checkpoint regions would keep a tensor the model writes in place after the region.
+
+A region keeps its inputs for the recomputation (and a selective region also the outputs of its
+matmuls, convolutions and attention, cached by the policy). If the forward writes into one of
+those tensors later -- through any alias: the tensor itself, a view of it, its base -- the
+recomputation reads the new values (autograd raises "modified by an inplace operation", or a
+selective region "cached ... has been mutated"), although eager, which may never have kept that
+tensor, runs fine. `KeptWrites(gm, steps)` finds, with the shared alias analysis
+(`fxopt.analysis.aliasing`), the last in-place write into each tensor, and answers per region
+which kept tensor is written after it (the planner then moves the boundary or drops the region).
+
+Writes into running statistics by a BatchNorm are not writes into a kept value: a recomputed
+BatchNorm updates throwaway copies (`fxopt.passes._checkpoint_region`) and never reads them.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..analysis.aliasing import AliasInfo, is_inplace_op
+from ..analysis.memory import Region, Step
+from ..analysis.saved_tensors import op_name
+from ..analysis.side_effects import MUTATION, effects
+from ._checkpoint_region import can_recompute_batch_norm
+
+
+def written_inputs(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph values `node` writes in place: the first input of an in-place op, every input of
+    another mutating call (`out=`, setitem, an unknown in-place method), none for a BatchNorm."""
+    if MUTATION not in effects(node, gm) or can_recompute_batch_norm(node, gm):
+        return []
+    inputs = node.all_input_nodes
+    return inputs[:1] if is_inplace_op(op_name(node, gm)) else list(inputs)
+
+
+class KeptWrites:
+    """For each region, the first tensor it would keep that is written in place after it (see module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, steps: list[Step]):
+        self.steps = steps
+        self.position = {s.node: p for p, s in enumerate(steps)}
+        aliases = AliasInfo(gm)
+        self.last_write: dict[fx.Node, tuple[int, fx.Node]] = {}  # value -> (position, writer) of its last write
+        for p, step in enumerate(steps):
+            for written in written_inputs(step.node, gm):
+                for alias in aliases.aliases(written):
+                    self.last_write[alias] = (p, step.node)
+        # positions whose step reads or makes a value written somewhere: the only ones a region must check
+        self.watched = [p for p, s in enumerate(steps)
+                        if s.node in self.last_write or any(a in self.last_write for a in s.node.all_input_nodes)]
+
+    def conflict(self, region: Region) -> tuple[fx.Node, fx.Node] | None:
+        """(kept value, the node writing it after the region), or None if the region may keep what it keeps."""
+        for p in self.watched:
+            if not region.start <= p < region.stop:
+                continue
+            node = self.steps[p].node
+            kept = [a for a in node.all_input_nodes if self.position.get(a, -1) < region.start]
+            if region.save_counted and self.steps[p].counted:
+                kept.append(node)
+            for value in kept:
+                position, writer = self.last_write.get(value, (-1, None))
+                if position >= region.stop:
+                    return value, writer
+        return None
