@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import torch
 
 from ..analysis.shapes import propagate_shapes
-from ..capture import capture
+from ..capture import capture, check_initialized
 from ..capture.saving import keep_graph_when_pickled
 from ..errors import FxoptError
 from ..guards import CALL, TRAIN_MODE, Guard, GuardSet, model_state_guards
@@ -69,6 +69,7 @@ def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", pass
     build_pipeline(mode, passes, pass_options)  # bad options fail here, before any copy or capture
     if isinstance(model, OptimizedModule):  # optimized again: its current variant is the model to capture
         model = model.graph_module
+    check_initialized(model)  # a lazy module cannot be copied: say why, not that deepcopy failed
     source = independent_copy(model) if mode == INFERENCE else model
     first = build_variant(source, example_inputs, {}, settings, verify=verify, instruments=instruments)
     return OptimizedModule(source, first, build_variant, settings)
