@@ -393,3 +393,14 @@ def quiet_export_logs():
                 logger.setLevel(level)
 
     return quiet()
+
+
+def exported_module(ep) -> "torch.fx.GraphModule":
+    """`ep.module()` without export's input-guard call in the graph (fxopt checks calls itself, see capture/call_spec.py).
+
+    torch before 2.9 has no `check_guards` and puts no guard call in the graph.
+    """
+    try:
+        return ep.module(check_guards=False)
+    except TypeError:
+        return ep.module()

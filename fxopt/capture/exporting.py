@@ -3,9 +3,9 @@
 The graph is `ep.module()` — ATen training-IR ops, parameters and buffers as `get_attr` nodes
 that are the module's own tensors, grad-mode and autocast regions as
 `wrap_with_set_grad_enabled` / `wrap_with_autocast` calls, buffer writes as in-place ops — made
-into a plain `torch.fx.GraphModule`: export's input-guard call (`_guards_fn`, which fails with
-an `AssertionError`) is taken out of the graph and its facts kept in a `CallSpec`, and export's
-forward hooks (closures that neither pickle nor let a call differ) are not carried over.
+into a plain `torch.fx.GraphModule`: without export's input-guard call (`_guards_fn`, which fails
+with an `AssertionError`; its facts are kept in a `CallSpec`), and without export's forward hooks
+(closures that neither pickle nor let a call differ).
 
 The first dimension of every tensor argument is exported as `Dim.AUTO`: symbolic where the
 model's code allows it, silently static where it does not (and always static for an example
@@ -63,21 +63,15 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exporte
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
     except Exception as e:  # noqa: BLE001 - any refusal keeps this module opaque, with export's reason
         return describe_failure(e, module)
-    exported = ep.module()
+    exported = _torch_private.exported_module(ep)
     gm = _plain_graph_module(exported, type(module).__name__)
     call = CallSpec.from_export(gm, ep.range_constraints, kwargs)
     return Exported(gm, call, {path: m.training for path, m in module.named_modules()})
 
 
 def _plain_graph_module(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:
-    """`exported` as a plain GraphModule without export's guard call and hooks (see module docstring)."""
-    graph = exported.graph
-    for node in list(graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn":
-            graph.erase_node(node)
-    if hasattr(exported, "_guards_fn"):
-        delattr(exported, "_guards_fn")
-    gm = fx.GraphModule(exported, graph, class_name)
+    """`exported` as a plain GraphModule, without export's forward hooks (see module docstring)."""
+    gm = fx.GraphModule(exported, exported.graph, class_name)
     gm.meta.update(exported.meta)
     return gm
 
