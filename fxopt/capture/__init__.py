@@ -113,9 +113,9 @@ class _Capturer:
         flags = {p: f for p, f in exported.training_flags.items() if p == "" or _has_submodule(gm, p)}
         example_values, _ = _torch_private.tree_flatten((tuple(args), {k: kwargs[k] for k in exported.call.keywords}))
         self.graphs.append(CapturedGraph(path, gm, tuple(example_values), exported.call, flags))
-        self.specialized.append(Specialization(path, describe_assumptions(exported.call, flags)))
-        if not path:  # the result object guards the whole-model graph (fxopt.guards)
+        if not path:  # the result object guards the whole-model graph (fxopt.guards; the report lists its guards)
             return gm
+        self.specialized.append(Specialization(path, describe_assumptions(exported.call, flags)))
         return SpecializedCall(gm, module, exported.call, flags)
 
     def capture_children(self, module: torch.nn.Module, path: str) -> torch.nn.Module:
