@@ -395,6 +395,22 @@ def quiet_export_logs():
     return quiet()
 
 
+def output_structure(gm) -> tuple[list, list[int]] | None:
+    """(top-level keys or indices, number of flat outputs in each) of the structure an exported
+    graph's flat outputs are rebuilt into (its pytree code generation), or None for a plain graph."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    spec = getattr(info, "out_spec", None)
+    if spec is None:
+        return None
+    if spec.is_leaf():
+        return [0], [1]
+    children = spec.children_specs
+    context = spec.context
+    keyed = isinstance(context, (list, tuple)) and len(context) == len(children) and \
+        all(isinstance(k, str) for k in context)
+    return (list(context) if keyed else list(range(len(children)))), [c.num_leaves for c in children]
+
+
 def exported_module(ep) -> "torch.fx.GraphModule":
     """`ep.module()` without export's input-guard call in the graph (fxopt checks calls itself, see capture/call_spec.py).
 
