@@ -48,17 +48,17 @@ class InputWrittenLater(nn.Module):
         return s + self.fc3(h)
 
 
-# (model, the region that must be refused as (first node, last node), the kept value, the writer)
+# (model, the region that must be refused as (first node, last node), the kept value, the writer), ATen node names
 SHAPES = {
-    "output_written_later": (OutputWrittenLater, ("fc1", "tanh"), "fc1", "add_"),
-    "input_written_later": (InputWrittenLater, ("relu", "fc2"), "fc1", "mul_"),
+    "output_written_later": (OutputWrittenLater, ("linear", "tanh"), "linear", "add_"),  # linear: fc1
+    "input_written_later": (InputWrittenLater, ("relu", "linear_1"), "linear", "mul_"),
 }
 
 
 def _captured(shape):
     torch.manual_seed(0)
     model, x = SHAPES[shape][0](), torch.randn(32, 64)
-    return model, x, fxopt.optimize(model, (x,), mode="training", passes=[])
+    return model, x, fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module
 
 
 def _region(profile, first, last, save_counted):
