@@ -85,11 +85,12 @@ def describe_failure(e: BaseException, module: torch.nn.Module) -> str:
 
 
 def user_code_location(e: BaseException, module: torch.nn.Module) -> str:
-    """`file.py:123` of the innermost frame of the user's code in `e`'s traceback, else of `module.forward`."""
+    """`at file.py:123: <code>` of the innermost frame of the user's code in `e`'s traceback, else where `module.forward` is."""
     frames = [f for f in traceback.extract_tb(e.__traceback__)
               if not f.filename.startswith((_TORCH_DIR, _FXOPT_DIR)) and "<" not in f.filename]
     if frames:
-        return f"at {frames[-1].filename}:{frames[-1].lineno}"
+        frame = frames[-1]
+        return f"at {frame.filename}:{frame.lineno}: {frame.line}" if frame.line else f"at {frame.filename}:{frame.lineno}"
     forward = inspect.unwrap(type(module).forward)
     try:
         return f"in {inspect.getsourcefile(forward)}:{inspect.getsourcelines(forward)[1]}"
