@@ -280,12 +280,14 @@ class BoundGuards:
         value = holder.get(key)
         return value if value is not None else _Unresolvable()
 
-    def refresh_values(self) -> None:
-        """Record the current object, storage and version of every SAME_VALUE tensor.
+    def note_own_writes(self) -> None:
+        """After a call of the guarded graph: its own in-place writes (a counter buffer it
+        increments) are part of what it computes, not a change by the user. Only versions move."""
+        if self._value_tensors:
+            self._value_versions = list(map(_torch_private.tensor_version, self._value_tensors))
 
-        Called when binding, and after each call of the graph (whose own writes, like a
-        counter buffer it increments, are part of what it computes, not a change by the user).
-        """
+    def refresh_values(self) -> None:
+        """Record the current object, storage and version of every SAME_VALUE tensor."""
         self._value_tensors = [t if t is not None else _Unresolvable()
                                for t in map(dict.get, self._value_holders, self._value_keys)]
         self._value_versions = list(map(_torch_private.tensor_version, self._value_tensors))

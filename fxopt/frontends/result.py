@@ -211,7 +211,7 @@ def _bound(variant: Variant, original: torch.nn.Module) -> BoundGuards:
 
 def _run(variant: Variant, args: tuple, kwargs: dict):
     out = variant.module(*args, **kwargs)
-    variant.bound.refresh_values()  # the variant's own buffer writes are part of what it computes
+    variant.bound.note_own_writes()
     return out
 
 
