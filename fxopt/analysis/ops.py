@@ -95,20 +95,26 @@ class ConvCall:
     module: torch.nn.Module | None = None
     unsupported: str = ""  # non-empty: a form we recognise but must not rewrite, and why
 
-    def call_with(self, weight, bias) -> tuple[Any, tuple]:
-        """(target, args) of this convolution with another weight and bias, in the graph's own form."""
-        if self.node.op == "call_function" and self.node.target is aten.convolution.default:
-            return self.node.target, (self.input, weight, bias, self.stride, self.padding, self.dilation,
-                                      self.transposed, self.output_padding, self.groups)
+    def call_with(self, weight, bias) -> tuple[Any, tuple, dict]:
+        """(target, args, kwargs) of this convolution with another weight and bias, in the graph's own form."""
         if self.node.op == "call_function":
-            target = self.node.target
-        else:
-            name = f"conv_transpose{self.spatial_dims}d" if self.transposed else f"conv{self.spatial_dims}d"
-            target = getattr(F, name)
+            return _replace_weight_and_bias(self.node, weight, bias)
+        name = f"conv_transpose{self.spatial_dims}d" if self.transposed else f"conv{self.spatial_dims}d"
         if self.transposed:
-            return target, (self.input, weight, bias, self.stride, self.padding, self.output_padding, self.groups,
-                            self.dilation)
-        return target, (self.input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+            return getattr(F, name), (self.input, weight, bias, self.stride, self.padding, self.output_padding,
+                                      self.groups, self.dilation), {}
+        return getattr(F, name), (self.input, weight, bias, self.stride, self.padding, self.dilation, self.groups), {}
+
+
+def _replace_weight_and_bias(node: fx.Node, weight, bias) -> tuple[Any, tuple, dict]:
+    """`node`'s call with its weight and bias (arguments 1 and 2 of every conv and linear) replaced."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for position, name, value in ((1, "weight", weight), (2, "bias", bias)):
+        if len(args) > position:
+            args[position] = value
+        else:
+            kwargs[name] = value
+    return node.target, tuple(args), kwargs
 
 
 def match_conv(node: fx.Node, gm: fx.GraphModule) -> ConvCall | None:
@@ -148,10 +154,11 @@ class LinearCall:
     bias: TensorRef | None
     module: torch.nn.Module | None = None
 
-    def call_with(self, weight, bias) -> tuple[Any, tuple]:
-        """(target, args) of this linear layer with another weight and bias, in the graph's own form."""
-        target = self.node.target if self.node.op == "call_function" else F.linear
-        return target, (self.input, weight, bias)
+    def call_with(self, weight, bias) -> tuple[Any, tuple, dict]:
+        """(target, args, kwargs) of this linear layer with another weight and bias, in the graph's own form."""
+        if self.node.op == "call_function":
+            return _replace_weight_and_bias(self.node, weight, bias)
+        return F.linear, (self.input, weight, bias), {}
 
 
 def match_linear(node: fx.Node, gm: fx.GraphModule) -> LinearCall | None:

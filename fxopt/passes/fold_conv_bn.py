@@ -56,9 +56,11 @@ from ..analysis.ops import (BatchNormCall, ConvCall, LinearCall, is_constant, ma
                             match_linear, materialize, resolve)
 from ..analysis.shapes import tensor_meta
 from ..analysis.written_state import state_key, written_state
+from ..capture.naming import module_path
 from ..errors import FxoptError
 from ..graph_functions import graph_function
-from .base import Pass, PassContext, PassResult
+from ..guards import SAME_VALUE, TRAIN_MODE, Guard
+from .base import Pass, PassContext, PassResult, model_name, site_name
 
 
 @graph_function
@@ -97,8 +99,8 @@ def _refusal(gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall
         if hooks:
             return "module_hooks", f"{call.node.target} has {', '.join(hooks)} that folding would skip"
     if len(layer.node.users) > 1:
-        users = ", ".join(u.name for u in layer.node.users if u is not bn.node)
-        return "conv_has_other_users", f"{layer.node.name} is also read by {users}"
+        users = ", ".join(site_name(u) for u in layer.node.users if u is not bn.node)
+        return "conv_has_other_users", f"{site_name(layer.node)} is also read by {users}"
     if not bn.uses_running_stats:
         return "bn_training", "BatchNorm uses batch statistics (train mode or no running stats)"
     refs = (layer.weight, layer.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
@@ -130,13 +132,27 @@ class FoldConvBN(Pass):
                 continue
             reason, detail = _refusal(gm, layer, bn, ctx, written)
             if reason:
-                result.record("refused", node, reason, detail)
+                result.record("refused", site_name(node), reason, detail)
                 continue
-            self._fold(gm, layer, bn, precompute=ctx.mode == "inference" and ctx.frontend == "api")
-            result.record("folded", node, detail=f"{layer.node.name} + {node.name}")
+            precompute = ctx.mode == "inference" and ctx.frontend == "api"
+            self._record_guards(gm, layer, bn, precompute, ctx)
+            self._fold(gm, layer, bn, precompute)
+            result.record("folded", site_name(node), detail=f"{site_name(layer.node)} + {site_name(node)}")
         if result.changed and ctx.mode == "inference":
             gm.delete_all_unused_submodules()
         return result
+
+    def _record_guards(self, gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool,
+                       ctx: PassContext) -> None:
+        """What the fold relies on: the BN stays in eval mode; precomputed, the weights and statistics keep their values."""
+        why = f"{site_name(bn.node)} folded into {site_name(layer.node)}"
+        path = module_path(bn.node)
+        if path is not None:
+            ctx.guards.add(Guard(TRAIN_MODE, model_name(ctx, path), False, self.name, why))
+        refs = (layer.weight, layer.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
+        for ref in refs if precompute else ():
+            if isinstance(ref, fx.Node) and ref.op == "get_attr":
+                ctx.guards.add(Guard(SAME_VALUE, model_name(ctx, ref.target), None, self.name, why))
 
     def _fold(self, gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool) -> None:
         transposed = getattr(layer, "transposed", False)
@@ -148,8 +164,9 @@ class FoldConvBN(Pass):
             if precompute and all(t is not None or r is None for t, r in zip(real, refs)):
                 with torch.no_grad():
                     w, b = folded_conv_bn_params(*real, eps=bn.eps, transposed=transposed, groups=groups)
-                weight = self._store(gm, f"{bn.node.name}_folded_weight", w)
-                bias = self._store(gm, f"{bn.node.name}_folded_bias", b)
+                base = site_name(bn.node).replace(".", "_")
+                weight = self._store(gm, f"{base}_folded_weight", w)
+                bias = self._store(gm, f"{base}_folded_bias", b)
             else:
                 args = tuple(materialize(r, gm) for r in refs)
                 kwargs = {"eps": bn.eps, "transposed": transposed, "groups": groups}

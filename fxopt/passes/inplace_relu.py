@@ -49,7 +49,7 @@ from ..analysis.saved_tensors import (dropout_training, is_known_op, keeps_outpu
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import MUTATION, effects
 from ._relu_mask import relu_mask, relu_mask_
-from .base import TRAINING, Pass, PassContext, PassResult
+from .base import TRAINING, Pass, PassContext, PassResult, site_name
 
 # In place, autograd keeps a copy of the input of these (their backward needs it): nothing is saved.
 _BACKWARD_NEEDS_INPUT = {"hardtanh", "relu6", "hardswish", "silu"}
@@ -141,9 +141,9 @@ class InplaceReLU(Pass):
             if inplace:
                 _rewrite(node, *act.inplace_form())
                 aliases.merge(node, act.input)
-                result.record("inplaced", node, detail=f"{act.kind} overwrites {act.input.name}")
+                result.record("inplaced", site_name(node), detail=f"{act.kind} overwrites {act.input.name}")
             else:
-                result.record("refused", node, reason, detail)
+                result.record("refused", site_name(node), reason, detail)
             if training and act.kind == "relu" and self.option(ctx, "relu_mask"):
                 self._mask(gm, node, act, inplace, aliases, result)
         return result
@@ -156,12 +156,12 @@ class InplaceReLU(Pass):
             return
         reason, detail = _mask_refusal(node, gm, aliases)
         if reason:
-            result.record("refused", node, reason, detail)
+            result.record("refused", site_name(node), reason, detail)
             return
         _rewrite(node, relu_mask_ if inplace else relu_mask, (act.input,), {})
         freed = out.numel() * (out.element_size() - 1)
         result.figures["mask_saved_bytes"] = result.figures.get("mask_saved_bytes", 0) + freed
-        result.record("masked", node, detail=f"keeps a bool mask: {freed} bytes less kept for backward")
+        result.record("masked", site_name(node), detail=f"keeps a bool mask: {freed} bytes less kept for backward")
 
     @staticmethod
     def _drop_eval_dropouts(gm: fx.GraphModule, training: bool, result: PassResult) -> None:
@@ -173,4 +173,4 @@ class InplaceReLU(Pass):
                 continue
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
-            result.record("dropped", node.name, detail="dropout in eval mode returns its input")
+            result.record("dropped", site_name(node), detail="dropout in eval mode returns its input")

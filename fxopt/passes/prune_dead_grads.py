@@ -77,7 +77,7 @@ from ..analysis.written_state import state_key, written_state
 from ..errors import FxoptError
 from ._frozen_ops import (call_method_without_grad, call_without_grad, conv_saving_what_grads_need,
                           eval_batch_norm_scale_shift)
-from .base import INFERENCE, Pass, PassContext, PassResult
+from .base import INFERENCE, Pass, PassContext, PassResult, site_name
 
 
 def parse_differentiable_outputs(value) -> tuple | None:
@@ -94,9 +94,24 @@ def parse_differentiable_outputs(value) -> tuple | None:
     return tuple(items)
 
 
-def output_entries(gm: fx.GraphModule) -> dict[Hashable, object]:
-    """The graph's outputs by index (tuple/list or a single value) or key (dict)."""
-    return entries_of(gm.graph.find_nodes(op="output")[0].args[0])
+def output_entries(gm: fx.GraphModule) -> dict[Hashable, tuple[int, ...]]:
+    """The model's outputs by index (tuple/list or a single value) or key (dict, ModelOutput), each as
+    the positions of its tensors among the graph's flat outputs (an exported graph rebuilds the
+    structure from them; a Dynamo graph's outputs are the positions themselves)."""
+    flat = _flat_outputs(gm)
+    structure = _torch_private.output_structure(gm)
+    if structure is None:
+        return {i: (i,) for i in range(len(flat))}
+    entries, start = {}, 0
+    for key, size in zip(*structure):
+        entries[key] = tuple(range(start, start + size))
+        start += size
+    return entries
+
+
+def _flat_outputs(gm: fx.GraphModule) -> list:
+    out = gm.graph.find_nodes(op="output")[0].args[0]
+    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def entries_of(out) -> dict[Hashable, object]:
@@ -123,12 +138,6 @@ def chosen_outputs(entries: dict, selection: tuple) -> set:
                     else f"{len(entries)} output(s), indices 0..{len(entries) - 1}")
             raise FxoptError(f"differentiable_outputs {item!r} is not an output of the model ({what})")
     return set(selection)
-
-
-def _leaves(entry) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg(entry, found.append)
-    return found
 
 
 def _is_trainable(ref, gm: fx.GraphModule, needs: GradNeeds) -> bool:
@@ -188,8 +197,8 @@ class PruneDeadGrads(Pass):
 
     @staticmethod
     def _analyze(gm: fx.GraphModule, ctx: PassContext, chosen: set) -> GradNeeds:
-        entries = output_entries(gm)
-        differentiated = [leaf for key in chosen for leaf in _leaves(entries[key])]
+        entries, flat = output_entries(gm), _flat_outputs(gm)
+        differentiated = [flat[i] for key in chosen for i in entries[key] if isinstance(flat[i], fx.Node)]
         return analyze_grad_needs(gm, differentiated, ctx.constant_inputs)
 
     # ---- 3. dead code ----
@@ -199,7 +208,7 @@ class PruneDeadGrads(Pass):
         for node in reversed(list(gm.graph.nodes)):
             if not node.users and removable_if_unused(node, gm):
                 if node.op != "get_attr":
-                    result.record("removed", node, "dead", "nothing reads it and it has no side effect")
+                    result.record("removed", site_name(node), "dead", "nothing reads it and it has no side effect")
                 gm.graph.erase_node(node)
 
     # ---- 1. outputs outside the loss ----
@@ -210,14 +219,14 @@ class PruneDeadGrads(Pass):
         for node in needs.no_grad_nodes:
             wrapper, target = call_without_grad, node.target
             if region_of(node, gm) is not None:
-                result.record("refused", node, "region", "a grad-mode/autocast region runs as written; it stays recorded")
+                result.record("refused", site_name(node), "region", "a grad-mode/autocast region runs as written; it stays recorded")
                 continue
             if node.op == "call_method":
                 wrapper = call_method_without_grad
             elif node.op == "call_function" and not _torch_private.aten_op_name(node.target):  # ATen ops print
                 target = importable_name(node.target)
                 if target is None:
-                    result.record("refused", node, "not_importable",
+                    result.record("refused", site_name(node), "not_importable",
                                   f"{node.target!r} cannot be named in the graph; it stays recorded")
                     continue
             with graph.inserting_before(node):
@@ -227,37 +236,28 @@ class PruneDeadGrads(Pass):
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
-            result.record("no_grad", new, detail=f"{node.name} feeds only outputs nobody differentiates")
+            result.record("no_grad", site_name(new), detail=f"{node.name} feeds only outputs nobody differentiates")
 
     @staticmethod
     def _detach_outputs(gm: fx.GraphModule, needs: GradNeeds, chosen: set, result: PassResult) -> None:
         output = gm.graph.find_nodes(op="output")[0]
-        entries = output_entries(gm)
-        replaced = {}
-        for key, entry in entries.items():
-            if key in chosen:
-                continue
-            recorded = list(dict.fromkeys(leaf for leaf in _leaves(entry) if leaf in needs.requires_grad))
+        flat = _flat_outputs(gm)
+        detached: dict[fx.Node, fx.Node] = {}
+        for key, positions in output_entries(gm).items():
+            recorded = [i for i in positions if key not in chosen and flat[i] in needs.requires_grad]
             if not recorded:
                 continue
-            detached = {}
             with gm.graph.inserting_before(output):
-                for leaf in recorded:
-                    detached[leaf] = gm.graph.call_method("detach", (leaf,))
-                    detached[leaf].meta.update(leaf.meta)
-            replaced[key] = fx.node.map_arg(entry, lambda n: detached.get(n, n))
+                for i in recorded:
+                    if flat[i] not in detached:
+                        detached[flat[i]] = gm.graph.call_method("detach", (flat[i],))
+                        detached[flat[i]].meta.update(flat[i].meta)
+                    flat[i] = detached[flat[i]]
             result.record("detached", f"output[{key!r}]",
                           detail="declared non-differentiable: returned with requires_grad=False")
-        if not replaced:
-            return
-        out = output.args[0]
-        if isinstance(out, dict):
-            new_out = {k: replaced.get(k, v) for k, v in out.items()}
-        elif isinstance(out, (tuple, list)):
-            new_out = type(out)(replaced.get(i, v) for i, v in enumerate(out))
-        else:
-            new_out = replaced[0]
-        output.args = (new_out,)
+        if detached:
+            out = output.args[0]
+            output.args = (type(out)(flat) if isinstance(out, (tuple, list)) else flat[0],)
 
     # ---- 2. frozen layers ----
 
@@ -296,7 +296,7 @@ class PruneDeadGrads(Pass):
         if not reason:
             reason, detail = self._refusal(node, gm, needs, conv.input)
         if reason:
-            result.record("refused", node, reason, detail)
+            result.record("refused", site_name(node), reason, detail)
             return False
         n = conv.spatial_dims
         with gm.graph.inserting_before(node):
@@ -305,7 +305,7 @@ class PruneDeadGrads(Pass):
                     _ntuple(conv.output_padding, n), conv.groups)
             new = gm.graph.call_function(conv_saving_what_grads_need, args)
         self._replace(gm, node, new)
-        result.record("frozen_conv", new, detail=f"{node.name}: weight needs no gradient, so this op no "
+        result.record("frozen_conv", site_name(new), detail=f"{node.name}: weight needs no gradient, so this op no "
                                                  f"longer keeps its input ({_nbytes(conv.input)} B)")
         return True
 
@@ -328,17 +328,17 @@ class PruneDeadGrads(Pass):
         x, mean = tensor_meta(bn.input), resolve(bn.running_mean, gm)
         mean = mean if mean is not None else tensor_meta(bn.running_mean)
         if x is None or mean is None or x.dtype != mean.dtype:
-            result.record("refused", node, "mixed_dtype", "statistics and input differ in dtype")
+            result.record("refused", site_name(node), "mixed_dtype", "statistics and input differ in dtype")
             return False
         written = written_state(gm)
         if any(r is not None and state_key(r, gm) in written for r in (bn.running_mean, bn.running_var, bn.weight,
                                                                          bn.bias)):
-            result.record("refused", node, "state_written", "a statistic or affine parameter is also written by "
+            result.record("refused", site_name(node), "state_written", "a statistic or affine parameter is also written by "
                                                             "the graph (train-mode BN sharing it, in-place op)")
             return False
         reason, detail = self._refusal(node, gm, needs, bn.input)
         if reason:
-            result.record("refused", node, reason, detail)
+            result.record("refused", site_name(node), reason, detail)
             return False
         graph = gm.graph
         with graph.inserting_before(node):
@@ -349,7 +349,7 @@ class PruneDeadGrads(Pass):
             scaled = graph.call_function(operator.mul, (bn.input, scale))
             new = graph.call_function(operator.add, (scaled, shift))
         self._replace(gm, node, new)
-        result.record("frozen_bn", new, detail=f"{node.name}: eval BatchNorm with frozen affine no longer "
+        result.record("frozen_bn", site_name(new), detail=f"{node.name}: eval BatchNorm with frozen affine no longer "
                                                f"keeps its input ({_nbytes(bn.input)} B)")
         return True
 
