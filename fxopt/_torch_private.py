@@ -404,7 +404,7 @@ def output_structure(gm) -> tuple[list, list[int]] | None:
         return None
     if spec.is_leaf():
         return [0], [1]
-    children = spec.children_specs
+    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.10
     context = spec.context
     keyed = isinstance(context, (list, tuple)) and len(context) == len(children) and \
         all(isinstance(k, str) for k in context)
