@@ -14,19 +14,22 @@ BatchNorm updates throwaway copies (`fxopt.passes._checkpoint_region`) and never
 """
 from __future__ import annotations
 
+import bisect
+
 import torch.fx as fx
 
 from ..analysis.aliasing import AliasInfo, is_inplace_op
 from ..analysis.memory import Region, Step
 from ..analysis.saved_tensors import op_name
 from ..analysis.side_effects import MUTATION, effects
-from ._checkpoint_region import can_recompute_batch_norm
+from ._checkpoint_region import can_recompute_batch_norm, is_lone_state_update
 
 
 def written_inputs(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
     """The graph values `node` writes in place: the first input of an in-place op, every input of
-    another mutating call (`out=`, setitem, an unknown in-place method), none for a BatchNorm."""
-    if MUTATION not in effects(node, gm) or can_recompute_batch_norm(node, gm):
+    another mutating call (`out=`, setitem, an unknown in-place method); none for a BatchNorm or an
+    update of buffers nothing else reads (num_batches_tracked)."""
+    if MUTATION not in effects(node, gm) or can_recompute_batch_norm(node, gm) or is_lone_state_update(node):
         return []
     inputs = node.all_input_nodes
     return inputs[:1] if is_inplace_op(op_name(node, gm)) else list(inputs)
@@ -50,9 +53,8 @@ class KeptWrites:
 
     def conflict(self, region: Region) -> tuple[fx.Node, fx.Node] | None:
         """(kept value, the node writing it after the region), or None if the region may keep what it keeps."""
-        for p in self.watched:
-            if not region.start <= p < region.stop:
-                continue
+        for p in self.watched[bisect.bisect_left(self.watched, region.start):
+                              bisect.bisect_left(self.watched, region.stop)]:
             node = self.steps[p].node
             kept = [a for a in node.all_input_nodes if self.position.get(a, -1) < region.start]
             if region.save_counted and self.steps[p].counted:
