@@ -352,6 +352,27 @@ def test_refuses_when_backward_needs_the_input(act):
     assert reasons(optimized) == {"backward_needs_input"}
 
 
+class OutputWrittenLater(nn.Module):
+    """An activation whose output the model then writes in place (`y.add_(1)`)."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.fc, self.act, self.head = nn.Linear(16, 16), act, nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = self.act(self.fc(x))
+        y.add_(1.0)
+        return self.head(y)
+
+
+@pytest.mark.parametrize("act", [nn.LeakyReLU(0.1), nn.ELU(0.5)], ids=["leaky_relu", "elu"])
+def test_refuses_when_the_output_is_written_in_place_later(act):
+    """leaky_relu_/elu_ keep their output for backward, so a later in-place write of it would break backward."""
+    optimized = check_same(OutputWrittenLater(act), FEATURES, "training")
+    assert reasons(optimized) == {"output_written_later"}
+    assert report(check_same(OutputWrittenLater(act), FEATURES, "inference")).stats["inplaced"] == 1
+
+
 # ---- relu keeps a bool mask in training ----
 
 class MLPWithDropout(nn.Module):

@@ -497,6 +497,59 @@ def test_dead_code_is_removed_but_effects_survive():
     assert_same_step(model, opt, (X_VEC,), training=True)
 
 
+class UnreadFunctionalBN(nn.Module):
+    """A functional train-mode batch_norm whose result nobody reads: it still updates the running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("mean", torch.zeros(16))
+        self.register_buffer("var", torch.ones(16))
+
+    def forward(self, x):
+        h = self.lin(x)
+        F.batch_norm(h, self.mean, self.var, training=True)  # dead, but writes `mean` and `var`
+        return h * 2
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_dead_functional_train_mode_batch_norm_survives(mode):
+    """An unread train-mode F.batch_norm updates its running statistics: removing it would change the buffers."""
+    model = UnreadFunctionalBN().train(mode == "training")
+    opt = fxopt.optimize(model, X_VEC, mode=mode, passes=PRUNE)
+    assert opt.fxopt_report["prune_dead_grads"].stats["removed"] == 0
+    assert_same_step(model, opt, (X_VEC,), training=mode == "training")
+
+
+class SharedStatsFrozenBN(nn.Module):
+    """A frozen eval BatchNorm whose running statistics a train-mode batch_norm later updates in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.bn.weight.requires_grad_(False)
+        self.bn.bias.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.stem(x)
+        y = F.batch_norm(h, self.bn.running_mean, self.bn.running_var, self.bn.weight, self.bn.bias, training=False)
+        z = F.batch_norm(h, self.bn.running_mean, self.bn.running_var, training=True)  # writes the statistics
+        return y * z
+
+
+def test_frozen_bn_whose_statistics_the_graph_writes_is_refused():
+    """Eager autograd reads an eval BN's running statistics at backward time, after the write: no scale-and-shift."""
+    torch.manual_seed(0)
+    model = SharedStatsFrozenBN().train()
+    with torch.no_grad():
+        model.bn.running_var.uniform_(0.5, 2.0)
+    opt = fxopt.optimize(model, X_IMG, mode="training", passes=PRUNE)
+    report = opt.fxopt_report["prune_dead_grads"]
+    assert report.stats["refused_state_written"] == 1 and report.stats["frozen_bn"] == 0
+    assert_same_step(model, opt, (X_IMG,), training=True)
+
+
 def test_aux_dropout_and_bn_stats_run_the_same_without_grad():
     """Dropout and a train-mode BN inside a no_grad aux head draw the same numbers and update the same stats."""
     class AuxBN(AuxHead):
