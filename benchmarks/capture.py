@@ -6,8 +6,8 @@
 
 Per model and mode, in one process: the seconds of a bare `torch.export.export(model, args,
 strict=False)` and of `fxopt.optimize` (capture + default pipeline), their ratio (target <= ~2);
-how many graphs and opaque modules the result has and the share of parameters its graphs read
-(target: 1, 0, 100%). In inference also eager vs the result, interleaved round by round, as
+how many graphs and opaque modules the result has and the share of parameters the captured
+graphs read before any pass (target: 1, 0, 100%). In inference also eager vs the result, interleaved round by round, as
 medians (target: ratio >= 1).
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import transformers
 from tabulate import tabulate
 
 import fxopt
+from fxopt.capture import capture
 
 
 def _configs(full: bool) -> dict:
@@ -76,18 +77,12 @@ def _interleaved_medians(callables: list, inputs: tuple, rounds: int) -> list[fl
     return [statistics.median(t) for t in times]
 
 
-def _captured_share(result) -> float:
-    model_params = {id(p): p.numel() for p in result.parameters()}
-    read = set()
-    graph = result.graph_module
-    for m in graph.modules():
-        if isinstance(m, torch.fx.GraphModule):
-            for n in m.graph.nodes:
-                if n.op == "get_attr":
-                    value = m.get_parameter(n.target) if n.target in dict(m.named_parameters()) else None
-                    if value is not None:
-                        read.add(id(value))
-    return sum(model_params[i] for i in read if i in model_params) / sum(model_params.values())
+def _captured_share(model, inputs) -> float:
+    """Share of the model's parameters (by count) that the captured graphs read, before any pass."""
+    captured = capture(model, inputs)
+    read = {id(p) for g in captured.graphs for name, p in g.gm.named_parameters()
+            if any(n.op == "get_attr" and n.target == name for n in g.gm.graph.nodes)}
+    return sum(p.numel() for p in model.parameters() if id(p) in read) / sum(p.numel() for p in model.parameters())
 
 
 def main() -> None:
@@ -119,7 +114,7 @@ def main() -> None:
                 continue
             report = result.fxopt_report
             row = [name, mode, f"{export_s:.2f}", f"{optimize_s:.2f}", f"{optimize_s / export_s:.2f}",
-                   len(report.graphs), len(report.opaque), f"{100 * _captured_share(result):.0f}%"]
+                   len(report.graphs), len(report.opaque), f"{100 * _captured_share(model, inputs):.0f}%"]
             if mode == "inference":
                 eager_ms, fxopt_ms = (1e3 * t for t in _interleaved_medians([model, result], inputs, args.rounds))
                 row += [f"{eager_ms:.2f}", f"{fxopt_ms:.2f}", f"{eager_ms / fxopt_ms:.2f}"]

@@ -13,8 +13,10 @@ import torch.fx as fx
 import transformers
 
 import fxopt
-from equivalence import assert_same_step
+from equivalence import assert_same_step, assert_state_unchanged, state_snapshot
+from fxopt.capture import capture
 from fxopt.capture.naming import module_path
+from test_capture import check_shares_parameters, randomize_bn
 
 IMAGE = (torch.randn(2, 3, 32, 32),)
 TOKENS = (torch.randint(0, 100, (2, 8)),)
@@ -71,11 +73,11 @@ def test_one_graph_every_parameter_equal_to_eager(make_model, inputs, mode):
     """One graph, nothing opaque, 100% of the parameters in it; outputs (and in training gradients and buffers) equal eager."""
     torch.manual_seed(0)
     model = make_model().train(mode == "training")
+    (graph,) = capture(model, inputs).graphs  # before any pass (folding replaces parameters)
+    assert graph_parameters(graph.gm) == {name for name, _ in model.named_parameters()}
     optimized = fxopt.optimize(model, inputs, mode=mode)
     report = optimized.fxopt_report
     assert report.graphs == [""] and report.opaque == []
-    total = {name for name, _ in model.named_parameters()}
-    assert graph_parameters(optimized.graph_module) == total
     assert_same_step(model, optimized, inputs, training=mode == "training")
 
 
@@ -119,3 +121,48 @@ def test_save_and_load_real_models(make_model, inputs, mode, budget, tmp_path):
     loaded = torch.load(tmp_path / "m.pt", weights_only=False)
     assert_same_step(optimized, loaded, inputs, training=mode == "training")
     assert_same_step(model, loaded, inputs, training=mode == "training")
+
+
+@pytest.mark.parametrize("make_model, min_folds", [(hf_resnet, 8), pytest.param(hf_mobilenet_v2, 20, marks=HEAVY)],
+                         ids=["resnet", "mobilenet_v2"])
+def test_hugging_face_cnns_are_folded(make_model, min_folds):
+    """Every Conv+BN pair of HF ResNet / MobileNetV2 (shape checks, `int()` of sizes, TF padding) is folded in the one graph."""
+    torch.manual_seed(0)
+    model = randomize_bn(make_model()).eval()
+    optimized = fxopt.optimize(model, IMAGE, passes=["fold_conv_bn"])
+    assert optimized.fxopt_report["fold_conv_bn"].stats["folded"] >= min_folds
+    assert_same_step(model, optimized, IMAGE, training=False)
+
+
+def test_hugging_face_resnet_fine_tuning_with_frozen_batch_norm_folds_on_the_fly():
+    """Training with eval-mode BNs (fine-tuning) folds every pair in the graph; gradients and buffers still match."""
+    torch.manual_seed(0)
+    model = randomize_bn(hf_resnet()).train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.eval()
+    optimized = fxopt.optimize(model, IMAGE, passes=["fold_conv_bn"])
+    assert optimized.fxopt_report.mode == "training"
+    assert optimized.fxopt_report["fold_conv_bn"].stats["folded"] == 8
+    assert_same_step(model, optimized, IMAGE, training=True)
+
+
+@pytest.mark.parametrize("make_model, inputs", [(hf_resnet, IMAGE), (hf_bert, TOKENS)], ids=["resnet", "bert"])
+def test_training_result_shares_parameters_and_state_dict_keys(make_model, inputs):
+    """Training mode: the same Parameter and buffer objects and the same state_dict keys, loadable both ways."""
+    torch.manual_seed(0)
+    model = make_model().train()
+    check_shares_parameters(model, fxopt.optimize(model, inputs, mode="training", passes=["fold_conv_bn"]))
+
+
+@pytest.mark.parametrize("make_model, inputs", [pytest.param(hf_mobilenet_v2, IMAGE, marks=HEAVY), (hf_bert, TOKENS)],
+                         ids=["mobilenet_v2", "bert"])
+def test_inference_never_modifies_the_callers_model(make_model, inputs):
+    """Optimizing and running the result leaves the caller's state and its inputs as they were."""
+    torch.manual_seed(0)
+    model = randomize_bn(make_model()).eval()
+    snapshot = state_snapshot(model)
+    inputs_before = [x.clone() for x in inputs]
+    fxopt.optimize(model, inputs, mode="inference")(*inputs)
+    assert_state_unchanged(model, snapshot)
+    assert all(torch.equal(a, b) for a, b in zip(inputs_before, inputs))

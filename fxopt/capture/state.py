@@ -17,11 +17,6 @@ from .. import _torch_private
 from ..errors import FxoptError
 
 
-def plain_tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Tensors a module holds as ordinary attributes (not registered as parameters or buffers)."""
-    return {name: value for name, value in vars(module).items() if isinstance(value, torch.Tensor)}
-
-
 class _Snapshot:
     """Every tensor a forward can reach through `module` or `inputs`, with a copy of its value."""
 
