@@ -74,10 +74,12 @@ from ..analysis.saved_tensors import op_name
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import importable_name, removable_if_unused
 from ..analysis.written_state import state_key, written_state
+from ..capture.naming import module_path
 from ..errors import FxoptError
+from ..guards import TRAIN_MODE, Guard
 from ._frozen_ops import (call_method_without_grad, call_without_grad, conv_saving_what_grads_need,
                           eval_batch_norm_scale_shift)
-from .base import INFERENCE, Pass, PassContext, PassResult, site_name
+from .base import INFERENCE, Pass, PassContext, PassResult, model_name, site_name
 
 
 def parse_differentiable_outputs(value) -> tuple | None:
@@ -173,7 +175,7 @@ class PruneDeadGrads(Pass):
         self._figures(needs, ctx, result)
         self._run_without_grad(gm, needs, result)
         self._detach_outputs(gm, needs, chosen, result)
-        self._rewrite_frozen(gm, lambda: self._analyze(gm, ctx, chosen), result)
+        self._rewrite_frozen(gm, ctx, lambda: self._analyze(gm, ctx, chosen), result)
         gm.recompile()
         after = estimate_costs(gm, placeholder_values(gm), training=True)
         if before is not None and after is not None:
@@ -261,7 +263,8 @@ class PruneDeadGrads(Pass):
 
     # ---- 2. frozen layers ----
 
-    def _rewrite_frozen(self, gm: fx.GraphModule, analyze: Callable[[], GradNeeds], result: PassResult) -> None:
+    def _rewrite_frozen(self, gm: fx.GraphModule, ctx: PassContext, analyze: Callable[[], GradNeeds],
+                        result: PassResult) -> None:
         """Rewrite frozen convs and eval BatchNorms, re-analysing after each rewrite (new nodes)."""
         needs = analyze()
         for node in list(gm.graph.nodes):
@@ -272,7 +275,7 @@ class PruneDeadGrads(Pass):
             if conv is not None:
                 rewritten = self._frozen_conv(gm, conv, needs, result)
             elif bn is not None and bn.uses_running_stats and op_name(node, gm) == "batch_norm":
-                rewritten = self._frozen_batch_norm(gm, bn, needs, result)
+                rewritten = self._frozen_batch_norm(gm, ctx, bn, needs, result)
             else:
                 rewritten = False
             if rewritten:
@@ -320,7 +323,7 @@ class PruneDeadGrads(Pass):
             return "unbatched", "input has no batch dimension"
         return "", ""
 
-    def _frozen_batch_norm(self, gm: fx.GraphModule, bn, needs: GradNeeds, result: PassResult) -> bool:
+    def _frozen_batch_norm(self, gm: fx.GraphModule, ctx: PassContext, bn, needs: GradNeeds, result: PassResult) -> bool:
         node = bn.node
         if bn.input not in needs.requires_grad or _is_trainable(bn.weight, gm, needs) \
                 or _is_trainable(bn.bias, gm, needs):
@@ -349,6 +352,10 @@ class PruneDeadGrads(Pass):
             scaled = graph.call_function(operator.mul, (bn.input, scale))
             new = graph.call_function(operator.add, (scaled, shift))
         self._replace(gm, node, new)
+        path = module_path(node)
+        if path is not None:  # the scale-and-shift is BatchNorm's eval-mode formula
+            ctx.guards.add(Guard(TRAIN_MODE, model_name(ctx, path), False, self.name, f"{site_name(node)} runs as "
+                                                                                      "x * scale + shift"))
         result.record("frozen_bn", site_name(new), detail=f"{node.name}: eval BatchNorm with frozen affine no longer "
                                                f"keeps its input ({_nbytes(bn.input)} B)")
         return True
