@@ -234,7 +234,7 @@ def test_op_name_of_aten_overloads(op, expected):
 
 
 def test_aten_view_not_in_the_table_keeps_nothing():
-    """An ATen op whose schema says it returns a view (`aten.alias`) keeps nothing, though the table does not list it."""
+    """An ATen op whose schema says it returns a view (`aten.alias`) keeps nothing, though the table omits it."""
     gm = torch.export.export(Case(lambda m, x, y: torch.ops.aten.alias(x)), _square() + _square(),
                              strict=False).module()
     node = next(n for n in gm.graph.nodes if op_name(n, gm) == "alias")

@@ -182,7 +182,7 @@ def _rule(node: fx.Node, gm: fx.GraphModule) -> _Rule | None:
 
 
 def keeps_output_only_in_place(name: str) -> bool:
-    """`leaky_relu`, `elu`: written in place (`name_`) the op keeps its output for backward, out of place it does not."""
+    """`leaky_relu`, `elu`: in place (`name_`) the op keeps its output for backward, out of place it does not."""
     inplace, outplace = _TABLE.get(f"{name}_"), _TABLE.get(name)
     return inplace is not None and outplace is not None and inplace.output and not outplace.output
 
@@ -199,7 +199,7 @@ def dropout_training(node: fx.Node) -> bool:
     """
     if node.op == "call_module":
         return node.graph.owning_module.get_submodule(node.target).training
-    flag = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))  # F / aten
+    flag = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
     return flag is not False
 
 

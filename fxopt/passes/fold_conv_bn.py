@@ -144,7 +144,7 @@ class FoldConvBN(Pass):
 
     def _record_guards(self, gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool,
                        ctx: PassContext) -> None:
-        """What the fold relies on: the BN stays in eval mode; precomputed, the weights and statistics keep their values."""
+        """What the fold relies on: the BN stays in eval mode; precomputed, weights and statistics keep their values."""
         why = f"{site_name(bn.node)} folded into {site_name(layer.node)}"
         path = module_path(bn.node)
         if path is not None:

@@ -221,7 +221,8 @@ class PruneDeadGrads(Pass):
         for node in needs.no_grad_nodes:
             wrapper, target = call_without_grad, node.target
             if region_of(node, gm) is not None:
-                result.record("refused", site_name(node), "region", "a grad-mode/autocast region runs as written; it stays recorded")
+                result.record("refused", site_name(node), "region",
+                              "a grad-mode/autocast region runs as written; it stays recorded")
                 continue
             if node.op == "call_method":
                 wrapper = call_method_without_grad
@@ -323,7 +324,8 @@ class PruneDeadGrads(Pass):
             return "unbatched", "input has no batch dimension"
         return "", ""
 
-    def _frozen_batch_norm(self, gm: fx.GraphModule, ctx: PassContext, bn, needs: GradNeeds, result: PassResult) -> bool:
+    def _frozen_batch_norm(self, gm: fx.GraphModule, ctx: PassContext, bn, needs: GradNeeds,
+                           result: PassResult) -> bool:
         node = bn.node
         if bn.input not in needs.requires_grad or _is_trainable(bn.weight, gm, needs) \
                 or _is_trainable(bn.bias, gm, needs):
@@ -336,8 +338,8 @@ class PruneDeadGrads(Pass):
         written = written_state(gm)
         if any(r is not None and state_key(r, gm) in written for r in (bn.running_mean, bn.running_var, bn.weight,
                                                                          bn.bias)):
-            result.record("refused", site_name(node), "state_written", "a statistic or affine parameter is also written by "
-                                                            "the graph (train-mode BN sharing it, in-place op)")
+            result.record("refused", site_name(node), "state_written", "a statistic or affine parameter is also "
+                                                                         "written by the graph (train-mode BN, in-place op)")
             return False
         reason, detail = self._refusal(node, gm, needs, bn.input)
         if reason:
