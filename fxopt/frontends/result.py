@@ -117,7 +117,8 @@ class OptimizedModule(torch.nn.Module):
     def _optimize_for_current_state(self, args: tuple, kwargs: dict) -> tuple[Variant | None, str]:
         """A new variant for the model as it is now, or (a variant running the original, why not)."""
         settings = self._settings
-        if settings["mode"] == INFERENCE and self.original.training:  # switched to train(): gradients may follow
+        if settings["mode"] == INFERENCE and any(m.training for m in self.original.modules()):
+            # switched (even one layer) to train(): a training step may follow, so optimize for training
             settings = {**settings, "mode": TRAINING}
         try:
             with _clean_optimization_context():
