@@ -295,3 +295,28 @@ def test_node_flops_match_flop_counter():
     with FlopCounterMode(display=False) as counter:
         model(x)
     assert sum(flops.values()) == counter.get_total_flops()
+
+
+def test_unreachable_budget_is_loud():
+    """A budget below what any plan reaches warns with the budget and the floor, and the report's headline says so."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=4, width=64), torch.randn(32, 64)
+    with pytest.warns(UserWarning, match=r"memory_budget 0\.01 .* NOT met: lowest reachable 0\.\d\dx"):
+        opt = _optimize(model, (x,), 0.01)
+    report = opt.fxopt_report
+    assert "NOT met" in str(report).splitlines()[1]
+    figures = report["checkpoint_activations"].figures
+    assert not figures["budget_met"] and "lowest reachable" in figures["headline"]
+    assert all("frees 0.00 MB" not in s.detail for s in report["checkpoint_activations"].sites)
+
+
+def test_training_pipeline_checkpoints_before_inplace_relu():
+    """Default order: ReLUs are no `mutation` refusals for the planner, and inplace_relu still rewrites outside regions."""
+    torch.manual_seed(0)
+    model, x = conv_net(), torch.randn(4, 3, 16, 16)
+    opt = fxopt.optimize(model, (x,), mode="training", memory_budget=0.4)
+    names = [p.name for p in opt.fxopt_report.passes]
+    assert names.index("checkpoint_activations") < names.index("inplace_relu")
+    assert not opt.fxopt_report["checkpoint_activations"].stats["refused_mutation"]
+    assert _regions(opt)
+    assert_same_step(model, opt, (x,), training=True)

@@ -20,7 +20,9 @@ that only counts bytes saved at the end of forward misses. Recomputation is pric
 pointwise ops and normalisation are recomputed before a matmul or conv ever is. An exact
 dynamic program over region boundaries and both region kinds returns the cheapest plan under
 the budget (a √n split would ignore both the prices and where the peak lands); if no plan
-fits, the plan with the lowest estimated peak, and the report says so.
+fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning and the report's
+headline name the budget, that floor ("lowest reachable: 0.45x") and what keeps the step above
+it. A region that would free nothing is never made.
 
 Why it is safe: a recomputed region computes the same values from the same inputs; the
 non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
@@ -36,6 +38,9 @@ When a node stays out of every region (reason in the report):
   mutation              an in-place op: recomputing after it ran would read the mutated tensor
   already_checkpointed  a region the user (or an earlier run) checkpointed: left as it is
   unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
+and no region keeps (as input, or as a selective region's cached output) a tensor written in place
+after it, through any alias (`kept_tensor_written_later`, fxopt.passes._checkpoint_writes): the
+recomputation would read the new values; the report names the value, its writer and a refused region;
 and the whole pass is skipped when the graph already holds its regions (a second run changes
 nothing), cannot run on fake tensors, or is handed on to torch.compile (whose partitioner
 decides recomputation itself).
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import torch
 import torch.fx as fx
@@ -105,6 +111,19 @@ def refusal(node: fx.Node, gm: fx.GraphModule) -> str:
     return ""
 
 
+def _frees(profile: StepProfile, region: Region) -> int:
+    """Bytes a region stops keeping: what its steps would save, less what it keeps (its inputs, cached outputs)."""
+    return profile.region_recompute_bytes(region) - profile.bytes_of(profile.region_keeps(region))
+
+
+def _why_unreachable(result: PassResult) -> str:
+    """One line on what keeps the step above the budget."""
+    refusals = {k.removeprefix("refused_"): n for k, n in result.stats.items() if k.startswith("refused_")}
+    blocked = ", ".join(f"{n} {reason}" for reason, n in sorted(refusals.items()))
+    held = "what remains is region inputs, tensors saved outside regions and the gradients in flight"
+    return f"{blocked} node(s) cannot be recomputed; {held}" if blocked else held
+
+
 def _region_name(gm: fx.GraphModule, profile: StepProfile, region: Region) -> str:
     first, last = profile.steps[region.start].node.name, profile.steps[region.stop - 1].node.name
     base = f"checkpointed_{first}_to_{last}" if first != last else f"checkpointed_{first}"
@@ -159,11 +178,17 @@ class CheckpointActivations(Pass):
         if regions is None:
             lowest_plan = plan_regions(profile, math.inf, checkpointable, objective="peak",
                                        allowed=keeps_nothing_written_later)
-            lowest = estimate(profile, lowest_plan).backward_peak
+            lowest = estimate(profile, lowest_plan).peak
             cheapest = plan_regions(profile, lowest, checkpointable, allowed=keeps_nothing_written_later)
             regions = cheapest if cheapest is not None else lowest_plan
+            why = _why_unreachable(result)
             result.record("refused", "<graph>", "budget_unreachable",
-                          f"no plan fits {limit / 1e6:.2f} MB; lowest estimated peak {lowest / 1e6:.2f} MB")
+                          f"no plan fits {limit / 1e6:.2f} MB; lowest reachable {lowest / before.peak:.2f}x "
+                          f"({lowest / 1e6:.2f} MB): {why}")
+            result.figures["headline"] = (f"memory_budget {value!r} ({limit / 1e6:.2f} MB) NOT met: lowest reachable "
+                                          f"{lowest / before.peak:.2f}x of the step peak ({lowest / 1e6:.2f} MB); {why}")
+            warnings.warn(f"fxopt: {result.figures['headline']}", stacklevel=2)
+        regions = tuple(r for r in regions if _frees(profile, r) > 0)  # a region that frees nothing only costs
         for (value, writer), region in conflicts.items():
             first, last = profile.steps[region.start].node.name, profile.steps[region.stop - 1].node.name
             result.record("refused", value, "kept_tensor_written_later",
@@ -177,10 +202,11 @@ class CheckpointActivations(Pass):
             call = extract_region(gm, nodes, name, region.save_counted)
             kind_text = "selective (matmul/conv/attention outputs kept)" if region.save_counted else "whole"
             result.record("checkpointed", call, detail=f"{len(nodes)} nodes {nodes[0].name}..{nodes[-1].name}, "
-                                                       f"{kind_text}, recomputes {profile.region_flops(region)} FLOPs")
+                                                       f"{kind_text}, frees {_frees(profile, region) / 1e6:.2f} MB, "
+                                                       f"recomputes {profile.region_flops(region)} FLOPs")
             names.append(name)
         result.figures.update(
-            budget_bytes=int(limit), regions=names, recomputed_flops=after.recompute_flops,
+            budget_bytes=int(limit), budget_met=after.peak <= limit, regions=names, recomputed_flops=after.recompute_flops,
             saved_bytes_before=before.saved_bytes, saved_bytes_after=after.saved_bytes,
             peak_estimate_before=before.peak, peak_estimate_after=after.peak)
         return result

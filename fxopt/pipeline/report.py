@@ -119,7 +119,9 @@ class Report:
         return lines
 
     def __str__(self) -> str:
-        parts = [f"fxopt report ({self.mode}, {len(self.graphs)} graph(s))", self.summary_table(),
+        parts = [f"fxopt report ({self.mode}, {len(self.graphs)} graph(s))",
+                 *(f"{p.name}: {p.figures['headline']}" for p in self.passes if p.figures.get("headline")),
+                 self.summary_table(),
                  *self.capture_sections(), *self.guard_sections()]
         sites = self.sites_table()
         if sites:
