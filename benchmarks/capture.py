@@ -5,7 +5,8 @@
     python benchmarks/capture.py --models bert,gpt2 --modes inference
 
 Per model and mode, in one process: the seconds of a bare `torch.export.export(model, args,
-strict=False)` and of `fxopt.optimize` (capture + default pipeline), their ratio (target <= ~2);
+strict=False)`, of the same with the batch dimension dynamic (`Dim.AUTO`, as fxopt exports), and
+of `fxopt.optimize` (capture + default pipeline), with the ratios (target <= ~2 over the bare export);
 how many graphs and opaque modules the result has and the share of parameters the captured
 graphs read before any pass (target: 1, 0, 100%). In inference also eager vs the result, interleaved round by round, as
 medians (target: ratio >= 1).
@@ -13,6 +14,7 @@ medians (target: ratio >= 1).
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 import warnings
@@ -104,16 +106,19 @@ def main() -> None:
             model = make().train(mode == "training")
             inputs = _inputs(kind, size, args.batch)
             export_s, _ = _seconds(lambda: torch.export.export(model, inputs, strict=False))
+            batch = {name: {0: torch.export.Dim.AUTO} for name in inspect.signature(model.forward).bind(*inputs).arguments}
+            dynamic_s, _ = _seconds(lambda: torch.export.export(model, inputs, strict=False, dynamic_shapes=batch))
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     optimize_s, result = _seconds(lambda: fxopt.optimize(model, inputs, mode=mode))
             except fxopt.FxoptError as e:
-                rows.append([name, mode, f"{export_s:.2f}", f"failed: {str(e).splitlines()[0][:80]}"])
+                rows.append([name, mode, f"{export_s:.2f}", f"{dynamic_s:.2f}", f"failed: {str(e).splitlines()[0][:80]}"])
                 print(tabulate([rows[-1]], tablefmt="plain"), flush=True)
                 continue
             report = result.fxopt_report
-            row = [name, mode, f"{export_s:.2f}", f"{optimize_s:.2f}", f"{optimize_s / export_s:.2f}",
+            row = [name, mode, f"{export_s:.2f}", f"{dynamic_s:.2f}", f"{optimize_s:.2f}", f"{optimize_s / export_s:.2f}",
+                   f"{optimize_s / dynamic_s:.2f}",
                    len(report.graphs), len(report.opaque), f"{100 * _captured_share(model, inputs):.0f}%"]
             if mode == "inference":
                 eager_ms, fxopt_ms = (1e3 * t for t in _interleaved_medians([model, result], inputs, args.rounds))
@@ -123,7 +128,8 @@ def main() -> None:
             rows.append(row)
             print(tabulate([row], tablefmt="plain"), flush=True)
     print()
-    print(tabulate(rows, headers=["model", "mode", "export s", "optimize s", "optimize/export", "graphs", "opaque",
+    print(tabulate(rows, headers=["model", "mode", "export s", "export dyn. batch s", "optimize s", "optimize/export",
+                                  "optimize/export dyn.", "graphs", "opaque",
                                   "params in graphs", "eager ms", "fxopt ms", "speed-up"]))
 
 

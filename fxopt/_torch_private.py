@@ -420,3 +420,23 @@ def exported_module(ep) -> "torch.fx.GraphModule":
         return ep.module(check_guards=False)
     except TypeError:
         return ep.module()
+
+
+def call_structure(gm):
+    """The pytree structure of the (args, kwargs) an exported GraphModule flattens its call into."""
+    return gm._in_spec
+
+
+def graph_codegen(graph):
+    """How `graph` generates its Python code (for an exported graph: with its call's pytree structures)."""
+    return graph._codegen
+
+
+def set_graph_codegen(graph, codegen) -> None:
+    graph._codegen = codegen
+
+
+def add_deepcopy_hook(gm, hook) -> None:
+    """Call `hook(copy)` on every deep copy of GraphModule `gm` (once, however often this is called)."""
+    if hook not in getattr(gm, "_deepcopy_hooks", []):
+        gm._register_deepcopy_hook(hook)

@@ -45,7 +45,7 @@ class CallSpec:
         ranges = {}
         for symbol, value_range in range_constraints.items():
             ranges[str(symbol)] = (int(value_range.lower), _finite(value_range.upper))
-        return cls(gm._in_spec, tuple(kwargs), leaves, [n.name for n in placeholders], ranges)
+        return cls(_torch_private.call_structure(gm), tuple(kwargs), leaves, [n.name for n in placeholders], ranges)
 
     def mismatch(self, args: tuple, kwargs: dict) -> str | None:
         """None if the graph may take this call, else why not (one line)."""

@@ -28,15 +28,14 @@ _EXAMPLE_VALUE_META = ("val", "example_value", "tensor_meta", "from_node", "unba
 def keep_graph_when_pickled(module: torch.nn.Module) -> None:
     """Make every GraphModule in `module` pickle its graph rather than its code (see module docstring)."""
     for m in module.modules():
-        if isinstance(m, fx.GraphModule) and type(m).__reduce__ is not _reduce_with_graph:
+        if isinstance(m, fx.GraphModule):
             type(m).__reduce__ = _reduce_with_graph
-        if isinstance(m, fx.GraphModule) and keep_graph_when_pickled not in getattr(m, "_deepcopy_hooks", []):
-            m._register_deepcopy_hook(keep_graph_when_pickled)
+            _torch_private.add_deepcopy_hook(m, keep_graph_when_pickled)
 
 
 def _reduce_with_graph(gm: fx.GraphModule):
     state = {k: v for k, v in gm.__dict__.items() if k not in ("_graph", "_code")}
-    return _rebuild, (state, _graph_records(gm.graph), gm.graph._codegen)
+    return _rebuild, (state, _graph_records(gm.graph), _torch_private.graph_codegen(gm.graph))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +74,7 @@ def _rebuild(state: dict, records: list[tuple], codegen) -> fx.GraphModule:
                                  fx.node.map_aggregate(kwargs, node_of), name=name)
         node.meta = meta
         nodes[name] = node
-    graph._codegen = codegen
+    _torch_private.set_graph_codegen(graph, codegen)
     gm = fx.GraphModule.__new__(fx.GraphModule)
     gm.__dict__.update(state)
     gm.graph = graph  # sets the owning module and regenerates forward

@@ -64,8 +64,8 @@ class SpecializedCall(torch.nn.Module):
     def mismatch(self, args: tuple, kwargs: dict) -> str | None:
         """None if the graph may answer this call now, else which assumption fails."""
         for path, flag in self.training_flags.items():
-            module = self if not path else self.get_submodule(path)
-            if module.training != flag:
+            module = _submodule_or_none(self, path)
+            if module is not None and module.training != flag:  # a pass may have removed the module (folded BN)
                 return f"{path or 'the model'} is in {'training' if module.training else 'eval'} mode, " \
                        f"the graph was exported in {'training' if flag else 'eval'} mode"
         return self.call.mismatch(args, kwargs)
@@ -94,12 +94,15 @@ class SpecializedCall(torch.nn.Module):
         return self.original(*args, **kwargs)
 
 
+def _submodule_or_none(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def _copy_flags(stand_in: torch.nn.Module, original: torch.nn.Module) -> None:
     """Give `original` the train/eval flags the caller set on the stand-in (where the stand-in has the module)."""
-    original.training = stand_in.training
     for path, module in original.named_modules():
-        if path:
-            try:
-                module.training = stand_in.get_submodule(path).training
-            except AttributeError:  # a module without state has no counterpart in the graph
-                module.training = stand_in.training
+        counterpart = _submodule_or_none(stand_in, path)  # a module without state has none in the graph
+        module.training = (counterpart or stand_in).training
