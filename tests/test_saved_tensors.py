@@ -95,6 +95,13 @@ CASES = {
     "avg_pool2d": (unary(lambda m, x: m[0](x), nn.AvgPool2d(2)), IMAGE + _square()),
     "adaptive_avg_pool2d": (unary(lambda m, x: m[0](x), nn.AdaptiveAvgPool2d(1)), IMAGE + _square()),
     "dropout (train)": (unary(lambda m, x: m[0](x), nn.Dropout(0.5)), _square() + _square()),
+    "scaled_dot_product_attention": (Case(lambda m, q, k: F.scaled_dot_product_attention(q, k, k)),
+                                     (torch.randn(2, 4, 6),) * 2),
+    "pad": (unary(lambda m, x: F.pad(x, (1, 1, 1, 1), mode="reflect")), IMAGE + _square()),
+    # in-place updates and copies (buffer updates, export's writebacks)
+    "add_": (Case(lambda m, x, y: x.add_(y)), _square() + _square()),
+    "sub_": (Case(lambda m, x, y: x.sub_(y)), _square() + _square()),
+    "copy_": (Case(lambda m, x, y: x.copy_(y)), _square() + _square()),
     # copies, reductions and views
     "cat": (Case(lambda m, x, y: torch.cat([x, y])), _square() + _square()),
     "sum/mean": (unary(lambda m, x: x.sum(0) + x.mean(0)), _square() + _square()),
@@ -104,6 +111,9 @@ CASES = {
 # What autograd keeps beyond graph nodes (masks, indices, copies, batch statistics): bytes are
 # compared exactly only for ops whose extras the table models; norm layers keep per-channel stats.
 _APPROXIMATE_BYTES = {"batch_norm", "layer_norm"}
+# Ops whose kernel, and so what autograd keeps, depends on shapes and backend (attention: the math
+# path keeps internals, flash kernels keep query, key, value and output): the table names a superset.
+_KERNEL_DEPENDENT = {"scaled_dot_product_attention"}
 
 
 class _Recorder(fx.Interpreter):
@@ -150,6 +160,10 @@ def test_table_matches_autograd(name):
         packed = recorder.packed[node]
         node_storages = {_storage(v) for v in recorder.values.values()}
         actual = {_storage(t) for t in packed} & node_storages
+        if op_name(node, gm) in _KERNEL_DEPENDENT:
+            assert actual <= expected - constants, f"{node.name}: autograd keeps {actual}, table says {expected}"
+            checked += 1
+            continue
         assert actual == expected - constants, f"{node.name}: autograd keeps {actual}, table says {expected}"
         sizes = {_storage(t): t.untyped_storage().nbytes() for t in packed}  # each storage once
         extra = sum(n for key, n in sizes.items() if key not in node_storages | constants)
@@ -217,7 +231,10 @@ def test_table_matches_autograd_on_exported_graphs(name):
             expected.add(_storage(recorder.values[node]))
         node_storages = {_storage(v) for v in recorder.values.values()}
         actual = {_storage(t) for t in recorder.packed[node]} & node_storages - constants
-        assert actual == expected - constants, f"{node.name}: autograd keeps {actual}, table says {expected}"
+        if op_name(node, gm) in _KERNEL_DEPENDENT:
+            assert actual <= expected - constants, f"{node.name}: autograd keeps {actual}, table says {expected}"
+        else:
+            assert actual == expected - constants, f"{node.name}: autograd keeps {actual}, table says {expected}"
         checked += 1
     assert checked
 

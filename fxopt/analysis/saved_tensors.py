@@ -79,6 +79,8 @@ _TABLE: dict[str, _Rule] = {
     **dict.fromkeys(["hardtanh", "relu6", "leaky_relu", "elu", "hardswish", "silu", "gelu", "mish", "softplus",
                      "hardsigmoid", "abs", "log", "square", "avg_pool1d", "avg_pool2d", "avg_pool3d"],
                     _KEEPS_INPUT),
+    # reflect / replicate padding keeps its input (constant padding keeps nothing: the table errs on the side of keeping)
+    "pad": _KEEPS_INPUT,
     # a power keeps base, exponent and result (the table errs on the side of keeping)
     "pow": _Rule(output=True, inputs=ALL),
     # max pooling keeps its input and the int64 argmax indices
@@ -103,7 +105,7 @@ _TABLE: dict[str, _Rule] = {
                      "identity", "view", "reshape", "flatten", "unflatten", "transpose", "permute", "t", "getitem",
                      "squeeze", "unsqueeze", "expand", "expand_as", "view_as", "reshape_as", "narrow", "select",
                      "chunk", "split", "unbind", "detach", "movedim", "swapaxes", "getattr", "size", "dim", "numel",
-                     "pad", "cumsum", "diff", "_to_copy", "lift_fresh_copy", "_assert_tensor_metadata"],
+                     "cumsum", "diff", "_to_copy", "lift_fresh_copy", "_assert_tensor_metadata"],
                     _KEEPS_NOTHING),
     # in-place additions and copies (buffer updates, export's writebacks): their backward needs no values
     **dict.fromkeys(["add_", "sub_", "copy_", "zero_", "fill_"], _KEEPS_NOTHING),
