@@ -79,7 +79,7 @@ _TABLE: dict[str, _Rule] = {
     **dict.fromkeys(["hardtanh", "relu6", "leaky_relu", "elu", "hardswish", "silu", "gelu", "mish", "softplus",
                      "hardsigmoid", "abs", "log", "square", "avg_pool1d", "avg_pool2d", "avg_pool3d"],
                     _KEEPS_INPUT),
-    # reflect / replicate padding keeps its input (constant padding keeps nothing: the table errs on the side of keeping)
+    # reflect / replicate padding keeps its input (constant padding keeps nothing: the table errs on keeping)
     "pad": _KEEPS_INPUT,
     # a power keeps base, exponent and result (the table errs on the side of keeping)
     "pow": _Rule(output=True, inputs=ALL),
