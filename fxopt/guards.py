@@ -13,7 +13,7 @@ lists (`[m.training for m in modules] == expected`, microseconds for hundreds of
 holds, so the result can say which assumption changed.
 
 Kinds (what `expected` holds):
-  TRAIN_MODE       module path     -> bool: `module.training`
+  TRAIN_MODE     module path     -> bool: `module.training`
   REQUIRES_GRAD  parameter name  -> bool: `p.requires_grad`
   HOOKS          module path     -> the hook ids per kind (forward-pre, forward, backward-pre, backward)
                  at record time, usually all empty; target GLOBAL_HOOKS: torch's global module hooks
@@ -24,8 +24,6 @@ Kinds (what `expected` holds):
   SAME_VALUE     param/buffer    -> None: the same object with the same storage and version as when
                  bound (a value baked into the graph; catches `copy_`, optimizer steps, `load_state_dict`,
                  `p.data = t`; NOT `p.data.mul_()`, which bumps no version counter)
-  INPUT          "input[i]" / keyword name -> (shape, dtype) with None for a dynamic dimension
-  ARGUMENT       "input[i]" / keyword name -> a non-tensor value the graph was specialized to
   CALL           graph path      -> an object with `mismatch(args, kwargs) -> str | None` (None: the
                  graph may take the call, else why not) and `describe()`: capture's own call check (CallSpec)
 """
@@ -46,10 +44,8 @@ HOOKS = "hooks"
 MODULE = "module"
 SAME_OBJECT = "same_object"
 SAME_VALUE = "same_value"
-INPUT = "input"
-ARGUMENT = "argument"
 CALL = "call"
-KINDS = (TRAIN_MODE, REQUIRES_GRAD, HOOKS, MODULE, SAME_OBJECT, SAME_VALUE, INPUT, ARGUMENT, CALL)
+KINDS = (TRAIN_MODE, REQUIRES_GRAD, HOOKS, MODULE, SAME_OBJECT, SAME_VALUE, CALL)
 
 NO_HOOKS = ((), (), (), ())
 GLOBAL_HOOKS = "<global>"  # the HOOKS target for torch's global module hooks
@@ -60,7 +56,7 @@ class Guard:
     """One fact an optimized graph relies on (see the module docstring for the kinds)."""
 
     kind: str
-    target: str  # module path, parameter/buffer name, "input[i]" or a keyword argument's name
+    target: str  # module path, parameter/buffer name, or graph path (CALL)
     expected: Any
     owner: str  # "capture" or the name of the pass that relies on it
     reason: str = ""  # why the owner relies on it, one short sentence
@@ -85,19 +81,11 @@ class Guard:
             return f"{self.target} is the same tensor object"
         if self.kind == SAME_VALUE:
             return f"{self.target} keeps its value (same tensor, storage and version)"
-        if self.kind == INPUT:
-            shape, dtype = self.expected
-            dims = ", ".join("*" if d is None else str(d) for d in shape)
-            return f"{self.target} has shape ({dims}) and dtype {str(dtype).removeprefix('torch.')}"
-        if self.kind == CALL:
-            return f"calls like the example ({self.expected.describe()})"
-        return f"{self.target} == {self.expected!r}"
+        return f"calls like the example ({self.expected.describe()})"
 
     def to_dict(self) -> dict[str, Any]:
         expected = self.expected
-        if self.kind == INPUT:
-            expected = [list(expected[0]), str(expected[1])]
-        elif self.kind == CALL:
+        if self.kind == CALL:
             expected = expected.describe()
         elif not (expected is None or isinstance(expected, (bool, int, float, str))):
             expected = repr(expected)
@@ -163,21 +151,6 @@ def model_state_guards(model: torch.nn.Module, owner: str, *, values: bool = Fal
         guards += [guard(REQUIRES_GRAD, name, p.requires_grad), guard(SAME_VALUE if values else SAME_OBJECT, name, None)]
     if values:
         guards += [guard(SAME_VALUE, name, None) for name, _ in model.named_buffers(remove_duplicate=False)]
-    return guards
-
-
-def input_guards(args: tuple, kwargs: dict, owner: str, reason: str, dynamic: dict[str, set[int]] | None = None
-                 ) -> list[Guard]:
-    """INPUT guards (shape and dtype, `dynamic` dims as None) for the tensors of a call, ARGUMENT guards for the rest."""
-    dynamic = dynamic or {}
-    guards = []
-    named = [(f"input[{i}]", v) for i, v in enumerate(args)] + list(kwargs.items())
-    for name, value in named:
-        if isinstance(value, torch.Tensor):
-            shape = tuple(None if d in dynamic.get(name, ()) else int(s) for d, s in enumerate(value.shape))
-            guards.append(Guard(INPUT, name, (shape, value.dtype), owner, reason))
-        else:
-            guards.append(Guard(ARGUMENT, name, value, owner, reason))
     return guards
 
 
@@ -264,8 +237,6 @@ class BoundGuards:
         values = [_resolve_tensor_safe(model, g.target) for g in by_kind[SAME_VALUE]]
         self._value_holders = [holder for holder, _ in values]
         self._value_keys = [key for _, key in values]
-        self._inputs = [(_argument_reader(g.target), g.expected) for g in by_kind[INPUT]]
-        self._arguments = [(_argument_reader(g.target), g.expected) for g in by_kind[ARGUMENT]]
         self._calls = [g.expected for g in by_kind[CALL]]
         self.refresh_values()
 
@@ -308,8 +279,6 @@ class BoundGuards:
                 and list(map(type, self._slot_modules)) == self._slot_types
                 and all(map(is_, map(dict.get, self._object_holders, self._object_keys), self._object_expected))
                 and (not self._value_tensors or self._values_unchanged())
-                and all(_input_matches(read(args, kwargs), spec) for read, spec in self._inputs)
-                and all(_argument_matches(read(args, kwargs), value) for read, value in self._arguments)
                 and all(spec.mismatch(args, kwargs) is None for spec in self._calls)):
             return None
         return self._find_failure(args, kwargs or {})
@@ -338,12 +307,6 @@ class BoundGuards:
                                                        self._value_pointers):
             if holder.get(key) is not t or _torch_private.tensor_version(t) != version or _data_pointer(t) != pointer:
                 return g
-        for g, (read, spec) in zip(b[INPUT], self._inputs):
-            if not _input_matches(read(args, kwargs), spec):
-                return g
-        for g, (read, value) in zip(b[ARGUMENT], self._arguments):
-            if not _argument_matches(read(args, kwargs), value):
-                return g
         for g in b[CALL]:
             if g.expected.mismatch(args, kwargs) is not None:
                 return g
@@ -364,25 +327,3 @@ _requires_grad = attrgetter("requires_grad")
 def _data_pointer(t) -> int:
     """Where a tensor's data lives: `p.data = other` changes it without bumping the version."""
     return t.data_ptr() if isinstance(t, torch.Tensor) else -1
-
-
-_MISSING = object()
-
-
-def _argument_reader(target: str):
-    """A function (args, kwargs) -> the argument a guard names, or _MISSING."""
-    if target.startswith("input[") and target.endswith("]"):
-        index = int(target[len("input["):-1])
-        return lambda args, kwargs: args[index] if index < len(args) else (kwargs or {}).get(target, _MISSING)
-    return lambda args, kwargs: (kwargs or {}).get(target, _MISSING)
-
-
-def _input_matches(value, spec) -> bool:
-    shape, dtype = spec
-    if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.dim() != len(shape):
-        return False
-    return all(e is None or e == s for e, s in zip(shape, value.shape))
-
-
-def _argument_matches(value, expected) -> bool:
-    return type(value) is type(expected) and value == expected

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..passes.base import INFERENCE, TRAINING
-from ..guards import ARGUMENT, CALL, HOOKS, INPUT, SAME_VALUE, BoundGuards, Guard, GuardSet, model_state_guards
+from ..guards import CALL, HOOKS, SAME_VALUE, BoundGuards, Guard, GuardSet, model_state_guards
 
 MAX_VARIANTS = 8
 MAX_VALUE_REOPTIMIZATIONS = 3  # weights overwritten more often than this: stop baking them, run the original
@@ -44,7 +44,7 @@ REOPTIMIZED = "optimized the model again for its new state"
 REUSED = "switched to the variant it had already optimized for this state"
 
 # A failed guard of these kinds sends the call to the original model rather than to a new optimization.
-_RUN_ORIGINAL_KINDS = (INPUT, ARGUMENT, CALL, HOOKS)
+_RUN_ORIGINAL_KINDS = (CALL, HOOKS)
 
 
 @dataclasses.dataclass
