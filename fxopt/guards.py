@@ -283,6 +283,14 @@ class BoundGuards:
             return None
         return self._find_failure(args, kwargs or {})
 
+    def untrue_now(self) -> list[Guard]:
+        """Guards, other than call checks, that do not hold on the model right now (for the state a
+        graph was just built for, a recording mistake: a target the model does not have)."""
+        return [g for g in self.guards if g.kind != CALL and not BoundGuards([g], self.model)._holds()]
+
+    def _holds(self) -> bool:
+        return self._find_failure((), {}) is None
+
     def _find_failure(self, args: tuple, kwargs: dict) -> Guard | None:
         """The guard that failed (slow path, only after `first_failure`'s fast check found one)."""
         b = self._by_kind

@@ -100,6 +100,11 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
     guards = GuardSet(ctx.guards)
     guards.extend(_capture_guards(captured))
     guards.extend(model_state_guards(source, "fxopt.optimize", values=mode == INFERENCE))
+    untrue = guards.bind(source).untrue_now()
+    if untrue:  # not facts about this model (a target it does not have): checking them would always fail
+        guards = GuardSet(g for g in guards if g not in untrue)
+        for g in untrue:
+            report.guard_events[f"{g.owner} recorded {g.describe()!r}, not true of the model: not checked"] += 1
     return Variant(captured.module, guards, report)
 
 
