@@ -354,3 +354,12 @@ def test_verify_names_the_stage_where_a_failure_appeared(stage, monkeypatch):
         match = "after capture.*boom in backward"
     with pytest.raises(fxopt.FxoptError, match=match):
         fxopt.optimize(conv_bn_net().train(), X, mode="training", passes=["inplace_relu"], verify=True)
+
+
+def test_a_guard_naming_a_missing_module_is_reported_not_checked():
+    """A guard whose target the model lacks would fail every call: it is found at bind time instead."""
+    from fxopt.guards import TRAIN_MODE, Guard
+
+    model = conv_bn_net().eval()
+    guards = GuardSet([Guard(TRAIN_MODE, "no.such.bn", False, "some_pass", "why")] + model_state_guards(model, "t"))
+    assert [g.target for g in guards.bind(model).untrue_now()] == ["no.such.bn"]
