@@ -57,7 +57,7 @@ def _models():
                  tokens, "h"),
         "vit": (lambda: hf.ViTModel(hf.ViTConfig(num_hidden_layers=6, hidden_size=384, num_attention_heads=6,
                                                  intermediate_size=1536, attn_implementation="eager")),
-                images, "encoder.layer"),
+                images, "layers"),
         "convnext": (lambda: hf.ConvNextModel(hf.ConvNextConfig(depths=[2, 2, 2, 2], hidden_sizes=[48, 96, 192, 384])),
                      images[:2], "encoder.stages"),
         "resnet50": (lambda: hf.ResNetModel(hf.ResNetConfig()), images, "encoder.stages"),
