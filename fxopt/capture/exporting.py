@@ -58,7 +58,7 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exporte
     except TypeError as e:  # the call does not bind to forward's signature
         return f"{type(e).__name__}: {e}"
     try:
-        with preserved_state(module, (args, kwargs)), _torch_private.refuse_user_checkpoint(), \
+        with preserved_state(module, (args, kwargs), parameters=False), _torch_private.refuse_user_checkpoint(), \
                 _torch_private.quiet_export_logs():
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
     except Exception as e:  # noqa: BLE001 - any refusal keeps this module opaque, with export's reason

@@ -18,24 +18,28 @@ from ..errors import FxoptError
 
 
 class _Snapshot:
-    """Every tensor a forward can reach through `module` or `inputs`, with a copy of its value."""
+    """Every tensor a forward can reach through `module` or `inputs`, with a copy of its value and its version."""
 
-    def __init__(self, module: torch.nn.Module, inputs):
-        self.slots = []  # (owner dict, key, tensor object, saved value)
+    def __init__(self, module: torch.nn.Module, inputs, parameters: bool):
+        self.slots = []  # (owner dict, key, tensor object, saved value, version)
         for m in module.modules():
-            for slots in (m._parameters, m._buffers, m.__dict__):
+            for slots in (m._parameters, m._buffers, m.__dict__) if parameters else (m._buffers, m.__dict__):
                 for key, value in list(slots.items()):
                     if isinstance(value, torch.Tensor) and not _is_lazy(value):
-                        self.slots.append((slots, key, value, value.detach().clone()))
-        self.inputs = [(x, x.detach().clone()) for x in _tensors(inputs)]
+                        self.slots.append((slots, key, value, *_saved(value)))
+        self.inputs = [(x, *_saved(x)) for x in _tensors(inputs)]
 
     def restore(self) -> None:
         with torch.no_grad():
-            for slots, key, tensor, saved in self.slots:
+            for slots, key, tensor, saved, version in self.slots:
                 slots[key] = tensor  # a forward may have rebound the attribute
-                _put_back(tensor, saved)
-            for tensor, saved in self.inputs:
-                _put_back(tensor, saved)
+                _put_back(tensor, saved, version)
+            for tensor, saved, version in self.inputs:
+                _put_back(tensor, saved, version)
+
+
+def _saved(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return t.detach().clone(), _torch_private.tensor_version(t)
 
 
 def _is_lazy(t: torch.Tensor) -> bool:
@@ -46,15 +50,20 @@ def _tensors(values) -> list[torch.Tensor]:
     return [v for v in _torch_private.tree_leaves(values) if isinstance(v, torch.Tensor)]
 
 
-def _put_back(tensor: torch.Tensor, saved: torch.Tensor) -> None:
-    if tensor.shape == saved.shape and not torch.equal(tensor, saved):  # expanded tensors cannot be written
+def _put_back(tensor: torch.Tensor, saved: torch.Tensor, version: int) -> None:
+    """Write `saved` back into `tensor` if something wrote it in place (its version moved on)."""
+    if _torch_private.tensor_version(tensor) != version and tensor.shape == saved.shape:  # expanded: not writable
         tensor.copy_(saved)
 
 
 @contextlib.contextmanager
-def preserved_state(module: torch.nn.Module, inputs=()):
-    """Snapshot what a forward of `module` on `inputs` may change, and the CPU/CUDA RNG; restore on exit."""
-    snapshot = _Snapshot(module, inputs)
+def preserved_state(module: torch.nn.Module, inputs=(), parameters: bool = True):
+    """Snapshot what a forward of `module` on `inputs` may change, and the CPU/CUDA RNG; restore on exit.
+
+    `parameters=False` leaves parameters out (copying them is most of the cost): for runs that
+    cannot write them, such as torch.export's, which turns writes to parameters into graph ops.
+    """
+    snapshot = _Snapshot(module, inputs, parameters)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         try:
