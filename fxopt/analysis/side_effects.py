@@ -162,7 +162,8 @@ def _aten_effects(op, args: tuple, kwargs: dict) -> frozenset[str]:
             kinds.add(RNG)
     if _updates_running_stats(op, args, kwargs):
         kinds.add(STATS)
-    if not kinds and _torch_private.fx_is_impure(op, args, kwargs):
+    # torch.fx calls every random op impure; a dropout with train=False was decided above
+    if not kinds and not _torch_private.op_is_random(op) and _torch_private.fx_is_impure(op, args, kwargs):
         kinds.add(IO)
     return frozenset(kinds)
 
