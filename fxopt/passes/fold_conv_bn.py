@@ -8,9 +8,12 @@ What it rewrites::
                                 b' = (b - mean) * s + beta
 
 for Conv1d/2d/3d, ConvTranspose1d/2d/3d (whose output channels are dim 1 of the weight,
-grouped into `groups` blocks), and Linear followed by BatchNorm1d on a 2-D output; in the
-`call_module`, functional (`F.conv2d` + `F.batch_norm`) and TorchDynamo (parameters as graph
-inputs) forms alike, through `fxopt.analysis.ops`.
+grouped into `groups` blocks), and Linear followed by BatchNorm1d on a 2-D output; in
+torch.export's ATen form (`aten.conv2d` + `aten.batch_norm(..., training=False, ...)`, what
+`fxopt.optimize` captures), the TorchDynamo form (parameters as graph inputs) and the
+functional and `call_module` forms alike, through `fxopt.analysis.ops`. The folded layer is
+emitted in the graph's own form. A grad-mode or autocast region is a barrier: a conv inside
+one and a BN outside (or the reverse) never meet, and the pairs inside keep the region's mode.
 
 Why it is safe: an eval-mode BatchNorm with running statistics is an affine map per channel
 with constant coefficients, and a convolution is linear in its weight per output channel, so
@@ -39,10 +42,13 @@ When it refuses (reason in the report):
   channel_axis_mismatch the layer's output channel is not dim 1: a conv on an unbatched input, or a
                         Linear output that is not 2-D
 
-A BN module's train/eval flag is read when the pass runs, as in torch.fx's `fuse` and Inductor's
-freezing. Where the BN module stays in the result (training), the folded graph checks each call
-that it is still in eval mode and raises FxoptError if the caller switched it to train mode,
-rather than silently computing the eval-mode result.
+A BN's train/eval flag is read when the pass runs, as in torch.fx's `fuse` and Inductor's
+freezing (export bakes it into `batch_norm(training=...)`). The fold records what it relies on
+as guards (`fxopt.guards`): the BN's module path in eval mode (TRAIN_MODE) and, where the
+folded tensors are precomputed, each weight and statistic keeping its value (SAME_VALUE); the
+result re-optimizes or runs the original when one no longer holds, never a stale fold. (In the
+`call_module` form, where the BN module stays in the result, the folded graph also checks its
+mode each call and raises FxoptError.)
 """
 from __future__ import annotations
 

@@ -3,12 +3,15 @@ let relu keep a bool mask instead of its output where that frees memory.
 
 What it rewrites::
 
-    y = conv(x);  z = relu(y)            ->  y = conv(x);  z = relu(y, inplace=True)
-    y = bn(x);    z = relu(y) -> dropout ->  y = bn(x);    z = relu_mask_(y)   (training: keeps y > 0 as bool)
-    z = dropout(y)  with training=False  ->  (removed: it returns y itself)
+    y = aten.conv2d(x);  z = aten.relu(y)      ->  y = aten.conv2d(x);  z = aten.relu_(y)
+    y = bn(x);    z = relu(y) -> dropout       ->  y = bn(x);    z = relu_mask_(y)   (training: keeps y > 0 as bool)
+    z = aten.dropout(y, p, train=False)        ->  (removed: it returns y itself)
 
-for `nn.ReLU` / `F.relu` / `torch.relu` / `x.relu()` and the family ReLU6, Hardtanh, LeakyReLU, ELU,
-Hardswish, SiLU (`fxopt.analysis.activations`), in every form.
+for relu and the family relu6, hardtanh, leaky_relu, elu, hardswish, silu
+(`fxopt.analysis.activations`): ATen overloads (torch.export) become their in-place overloads
+(`aten.relu_`), other forms (`F.relu`, `nn.ReLU`, `x.relu()`) `F.<kind>(..., inplace=True)`.
+A train-mode dropout is never touched. Nothing inside a grad-mode or autocast region is
+rewritten, and a tensor such a region reads is never written (the region is an unknown op).
 
 Why it is safe: overwriting the activation's input with its output is invisible when nothing
 else can observe the old values. The shared analyses prove that, site by site:
