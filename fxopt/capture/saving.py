@@ -31,6 +31,9 @@ def keep_graph_when_pickled(module: torch.nn.Module) -> None:
         if isinstance(m, fx.GraphModule):
             type(m).__reduce__ = _reduce_with_graph
             _torch_private.add_deepcopy_hook(m, keep_graph_when_pickled)
+        for held in vars(m).values():  # graphs a module holds outside the tree (a checkpointed region's body)
+            if isinstance(held, fx.GraphModule) and type(held).__reduce__ is not _reduce_with_graph:
+                keep_graph_when_pickled(held)
 
 
 def _reduce_with_graph(gm: fx.GraphModule):
