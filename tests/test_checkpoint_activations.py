@@ -181,24 +181,61 @@ def test_second_run_changes_nothing():
     assert _graph(opt).code == code
 
 
-def test_mutation_stays_outside_regions():
-    """An in-place op is never recomputed: rerunning it would read the tensor it already changed."""
-    class Mutating(torch.nn.Module):
+class Mutating(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.a(torch.tanh(x)) + 1.0  # add saves nothing, so eager lets h be written
+        h.mul_(2)
+        return self.b(torch.tanh(h))
+
+
+def test_inplace_op_joins_only_a_region_that_made_what_it_writes():
+    """An in-place op is recomputed only with the op that made its target: never writing a region input twice."""
+    from fxopt.analysis.memory import Region, step_profile
+    from fxopt.passes._checkpoint_writes import KeptWrites
+
+    gm = _graph(fxopt.optimize(Mutating(), (torch.randn(32, 64),), mode="training", passes=[]))
+    profile = step_profile(gm)
+    at = {s.node.name: p for p, s in enumerate(profile.steps)}
+    writes = KeptWrites(gm, profile.steps)
+    assert writes.write_inside(Region(at["mul_"], at["mul_"] + 1)) is not None  # add made h outside
+    assert writes.write_inside(Region(at["add"], at["mul_"] + 1)) is None  # the region makes h itself
+    assert writes.write_inside(Region(at["linear"], at["mul_"] + 1, save_counted=True)) is None  # h: not cached
+    torch.manual_seed(0)
+    model, x = Mutating(), torch.randn(32, 64)
+    opt = _optimize(model, (x,), 0.2)
+    assert not opt.fxopt_report["checkpoint_activations"].stats["refused_mutation"]
+    for name in _regions(opt):
+        body = getattr(_graph(opt), name).body.code
+        assert "mul_" not in body or "add" in body
+    assert_same_step(model, opt, (x,), training=True)
+
+
+def test_selective_region_never_writes_its_cached_output():
+    """`h = linear(x); h.mul_(2)`: a selective region caches h, so it may not hold the write; a whole one may."""
+    from fxopt.analysis.memory import Region, step_profile
+    from fxopt.passes._checkpoint_writes import KeptWrites
+
+    class WritesMatmulOutput(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+            self.a = torch.nn.Linear(64, 64)
 
         def forward(self, x):
             h = self.a(torch.tanh(x))
             h.mul_(2)
-            return self.b(torch.tanh(h))
+            return torch.tanh(h)
 
-    torch.manual_seed(0)
-    model, x = Mutating(), torch.randn(32, 64)
-    opt = _optimize(model, (x,), 0.2)
-    assert opt.fxopt_report["checkpoint_activations"].stats["refused_mutation"] == 1
-    assert "mul_" in _graph(opt).code  # still in the parent graph, not inside a region
-    assert_same_step(model, opt, (x,), training=True)
+    gm = _graph(fxopt.optimize(WritesMatmulOutput(), (torch.randn(32, 64),), mode="training", passes=[]))
+    profile = step_profile(gm)
+    at = {s.node.name: p for p, s in enumerate(profile.steps)}
+    writes = KeptWrites(gm, profile.steps)
+    assert writes.write_inside(Region(at["linear"], at["mul_"] + 1)) is None
+    value, writer = writes.write_inside(Region(at["linear"], at["mul_"] + 1, save_counted=True))
+    assert (value.name, writer.name) == ("linear", "mul_")
 
 
 @torch.library.custom_op("fxopt_test_checkpoint::scale", mutates_args=())

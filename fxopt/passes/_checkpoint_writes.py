@@ -9,6 +9,11 @@ tensor, runs fine. `KeptWrites(gm, steps)` finds, with the shared alias analysis
 (`fxopt.analysis.aliasing`), the last in-place write into each tensor, and answers per region
 which kept tensor is written after it (the planner then moves the boundary or drops the region).
 
+In-place ops inside a region (a residual `h += x`, an in-place ReLU) are fine when they write
+only tensors the region itself made: the recomputation makes them again and writes them again.
+`write_inside` finds the other writes: into a region input, a parameter or buffer, or (in a
+selective region) a cached matmul/conv output.
+
 Writes into running statistics by a BatchNorm are not writes into a kept value: a recomputed
 BatchNorm updates throwaway copies (`fxopt.passes._checkpoint_region`) and never reads them.
 """
@@ -47,9 +52,25 @@ class KeptWrites:
             for written in written_inputs(step.node, gm):
                 for alias in aliases.aliases(written):
                     self.last_write[alias] = (p, step.node)
+        # in-place writers, with every value that may share storage with what they write
+        self.writers = {p: [alias for w in written_inputs(s.node, gm) for alias in aliases.aliases(w)]
+                        for p, s in enumerate(steps) if written_inputs(s.node, gm)}
+        self.writer_positions = sorted(self.writers)
         # positions whose step reads or makes a value written somewhere: the only ones a region must check
         self.watched = [p for p, s in enumerate(steps)
                         if s.node in self.last_write or any(a in self.last_write for a in s.node.all_input_nodes)]
+
+    def write_inside(self, region: Region) -> tuple[fx.Node, fx.Node] | None:
+        """(value, writer) for an in-place write inside the region into a value the region did not make
+        (recomputing would write it again) or, in a selective region, into a cached matmul/conv output
+        (checkpoint refuses a mutated cache entry); None if every write inside is into its own temporaries."""
+        for p in self.writer_positions[bisect.bisect_left(self.writer_positions, region.start):
+                                       bisect.bisect_left(self.writer_positions, region.stop)]:
+            for value in self.writers[p]:
+                made_at = self.position.get(value, -1)
+                if not region.start <= made_at < region.stop or (region.save_counted and self.steps[made_at].counted):
+                    return value, self.steps[p].node
+        return None
 
     def conflict(self, region: Region) -> tuple[fx.Node, fx.Node] | None:
         """(kept value, the node writing it after the region), or None if the region may keep what it keeps."""

@@ -35,7 +35,10 @@ When a node stays out of every region (reason in the report):
                         recomputing it would update its running statistics twice (nn.BatchNorm1d/2d/3d
                         modules, `F.batch_norm` and `aten.batch_norm` may be recomputed: a recomputation
                         updates throwaway copies, `batch_norm_once`)
-  mutation              an in-place op: recomputing after it ran would read the mutated tensor
+  mutation              a write fxopt cannot place (`out=`, setitem): recomputing after it ran would
+                        read the mutated tensor. An in-place op (`add_`, `relu_`) may be recomputed inside
+                        a region that made the tensor it writes (not in a selective region's cached
+                        outputs): the recomputation makes it again and writes it again.
   already_checkpointed  a region the user (or an earlier run) checkpointed: left as it is
   unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
 and no region keeps (as input, or as a selective region's cached output) a tensor written in place
@@ -55,6 +58,7 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
+from ..analysis.aliasing import is_inplace_op
 from ..analysis.memory import Region, StepProfile, estimate, step_profile
 from ..analysis.ops import match_batch_norm
 from ..analysis.saved_tensors import op_name
@@ -106,8 +110,8 @@ def refusal(node: fx.Node, gm: fx.GraphModule) -> str:
     name = op_name(node, gm)
     if name is None:
         return "unknown_op"
-    if MUTATION in effects(node, gm) and not can_recompute_batch_norm(node, gm):
-        return "mutation"
+    if MUTATION in effects(node, gm) and not can_recompute_batch_norm(node, gm) and not is_inplace_op(name):
+        return "mutation"  # in-place ops may join a region that made what they write (KeptWrites.write_inside)
     return ""
 
 
@@ -169,6 +173,8 @@ class CheckpointActivations(Pass):
         writes, conflicts = KeptWrites(gm, profile.steps), {}
 
         def keeps_nothing_written_later(region: Region) -> bool:
+            if writes.write_inside(region) is not None:
+                return False
             conflict = writes.conflict(region)
             if conflict is not None:
                 conflicts.setdefault(conflict, region)
