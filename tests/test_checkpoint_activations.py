@@ -348,7 +348,7 @@ def test_unreachable_budget_is_loud():
 
 
 def test_training_pipeline_checkpoints_before_inplace_relu():
-    """Default order: ReLUs are no `mutation` refusals for the planner, and inplace_relu still rewrites outside regions."""
+    """Default order: ReLUs are no `mutation` refusals for the planner; inplace_relu still runs after it."""
     torch.manual_seed(0)
     model, x = conv_net(), torch.randn(4, 3, 16, 16)
     opt = fxopt.optimize(model, (x,), mode="training", memory_budget=0.4)

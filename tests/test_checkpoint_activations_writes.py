@@ -160,7 +160,7 @@ instructions = st.tuples(st.sampled_from(OPS + WRITES), st.integers(1, 30), st.i
                   ("tanh", 1, 0), ("linear", 17, 0), ("add_", 1, 0), ("mul_view", 1, 0)], budget=0.6)
 @given(program=st.lists(instructions, min_size=6, max_size=16), budget=st.sampled_from([0.6, 0.3, 0.1]))
 def test_generated_networks_with_writes_after_regions(program, budget):
-    """Random networks writing in place into earlier tensors (region outputs, inputs, views): eager's step, or eager's error."""
+    """Random networks writing in place into earlier tensors (region outputs, inputs, views): eager's step."""
     torch.manual_seed(0)
     model, x = Program(program), torch.randn(8, WIDTH)
     try:

@@ -191,8 +191,9 @@ class CheckpointActivations(Pass):
             result.record("refused", "<graph>", "budget_unreachable",
                           f"no plan fits {limit / 1e6:.2f} MB; lowest reachable {lowest / before.peak:.2f}x "
                           f"({lowest / 1e6:.2f} MB): {why}")
-            result.figures["headline"] = (f"memory_budget {value!r} ({limit / 1e6:.2f} MB) NOT met: lowest reachable "
-                                          f"{lowest / before.peak:.2f}x of the step peak ({lowest / 1e6:.2f} MB); {why}")
+            result.figures["headline"] = (f"memory_budget {value!r} ({limit / 1e6:.2f} MB) NOT met: lowest "
+                                          f"reachable {lowest / before.peak:.2f}x of the step peak "
+                                          f"({lowest / 1e6:.2f} MB); {why}")
             warnings.warn(f"fxopt: {result.figures['headline']}", stacklevel=2)
         regions = tuple(r for r in regions if _frees(profile, r) > 0)  # a region that frees nothing only costs
         for (value, writer), region in conflicts.items():
@@ -212,7 +213,8 @@ class CheckpointActivations(Pass):
                                                        f"recomputes {profile.region_flops(region)} FLOPs")
             names.append(name)
         result.figures.update(
-            budget_bytes=int(limit), budget_met=after.peak <= limit, regions=names, recomputed_flops=after.recompute_flops,
+            budget_bytes=int(limit), budget_met=after.peak <= limit, regions=names,
+            recomputed_flops=after.recompute_flops,
             saved_bytes_before=before.saved_bytes, saved_bytes_after=after.saved_bytes,
             peak_estimate_before=before.peak, peak_estimate_after=after.peak)
         return result
