@@ -15,12 +15,11 @@ import importlib
 import sys
 
 from .errors import FxoptError
-
 __version__ = "0.1.0"
-__all__ = ["FxoptError", "available_passes", "backend", "optimize"]
+__all__ = ["FxoptError", "OptimizedModule", "available_passes", "backend", "optimize"]
 
 _LAZY = {"optimize": ".frontends.api", "available_passes": ".frontends.api", "backend": ".frontends.backend",
-         "fxopt_backend": ".frontends.backend"}
+         "fxopt_backend": ".frontends.backend", "OptimizedModule": ".frontends.result"}
 
 
 def _register_backend() -> None:

@@ -4,6 +4,8 @@ A torch upgrade that moves one of these should need a change here and nowhere el
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -71,6 +73,48 @@ def tree_leaves(tree) -> list:
     return _leaves(tree)
 
 
+def tree_flatten(tree) -> tuple[list, object]:
+    """(leaves, spec) of a nested structure, as torch.export flattens a call's (args, kwargs)."""
+    from torch.utils._pytree import tree_flatten as _flatten
+
+    return _flatten(tree)
+
+
+def tree_map(fn, tree):
+    from torch.utils._pytree import tree_map as _map
+
+    return _map(fn, tree)
+
+
+class UserCheckpointCall(Exception):
+    """Raised inside torch.export when the exported code calls torch.utils.checkpoint."""
+
+
+def refuse_user_checkpoint():
+    """Context in which a call of `torch.utils.checkpoint.checkpoint` raises UserCheckpointCall.
+
+    Non-strict export runs the checkpointed function inline and records no checkpoint: the
+    activation checkpointing the user asked for would silently disappear from the graph.
+    `checkpoint()` looks its two implementations up as module globals at call time.
+    """
+    import contextlib
+    from unittest import mock
+
+    import torch.utils.checkpoint as ckpt
+
+    def refuse(*args, **kwargs):
+        raise UserCheckpointCall("forward calls torch.utils.checkpoint; export would inline the block and "
+                                 "drop the checkpointing, so this module runs as written")
+
+    class _Refused:
+        apply = staticmethod(refuse)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(ckpt, "CheckpointFunction", _Refused))
+    stack.enter_context(mock.patch.object(ckpt, "_checkpoint_without_reentrant_generator", refuse))
+    return stack
+
+
 def module_hooks(module: torch.nn.Module) -> list[str]:
     """The kinds of hook that run around a call of `module`: its own and the global ones."""
     from torch.nn.modules import module as nn_module
@@ -124,14 +168,19 @@ def inductor_compile(gm, example_inputs, freezing: bool = False):
 
 def aot_eager_compile(gm, example_inputs):
     """AOTAutograd with Inductor's decompositions and min-cut partitioner, and no code generation:
-    a debugging hand-off that traces and partitions forward/backward the way Inductor's does."""
+    a debugging hand-off that traces and partitions forward/backward the way Inductor's does.
+
+    Random ops keep their ATen form (their decompositions are left out): a decomposed dropout
+    draws different numbers than eager; ATen's `native_dropout` draws the same (as torch's own
+    aot_eager, which decomposes nothing)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.compilers import nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
+    decompositions = {op: fn for op, fn in select_decomp_table().items() if not op_is_random(op)}
     backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition,
-                           decompositions=select_decomp_table())
+                           decompositions=decompositions)
     return backend(gm, example_inputs)
 
 
@@ -183,13 +232,15 @@ def make_buffers_non_persistent(gm, names) -> None:
     GraphModule's deepcopy re-registers every get_attr tensor as a persistent buffer, so the
     marking is repeated by a deepcopy hook.
     """
-    def mark(module) -> None:
-        for name in names:
-            owner, _, attr = name.rpartition(".")
-            module.get_submodule(owner)._non_persistent_buffers_set.add(attr)
-
+    mark = functools.partial(_mark_non_persistent, names=tuple(names))  # picklable, unlike a closure
     mark(gm)
     gm._register_deepcopy_hook(mark)
+
+
+def _mark_non_persistent(module, names) -> None:
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        module.get_submodule(owner)._non_persistent_buffers_set.add(attr)
 
 
 def profiler_memory_events(prof) -> list[tuple[int, int]]:
@@ -199,15 +250,193 @@ def profiler_memory_events(prof) -> list[tuple[int, int]]:
     return sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
 
 
-def set_reload_tracer(gm, tracer_cls) -> None:
-    """Make `torch.load` of a saved `gm` rebuild it by tracing its code with `tracer_cls`.
-
-    GraphModule pickles the class of the tracer that built it and constructs it without
-    arguments on load; fxopt's capture tracers take arguments.
-    """
-    gm._tracer_cls = tracer_cls
-
-
 def tensor_versions(tensors) -> list[int]:
     """Each tensor's version counter (bumped by every in-place change)."""
     return [t._version for t in tensors]
+
+
+# ---- guards (fxopt.guards) ----
+
+def tensor_version(t: torch.Tensor) -> int:
+    """A tensor's version counter (bumped by every in-place change through autograd-visible ops)."""
+    return t._version
+
+
+def global_module_hook_dicts() -> list[dict]:
+    """torch's global module hook dicts (forward-pre, forward, backward-pre, backward), as live objects."""
+    from torch.nn.modules import module as nn_module
+
+    return [nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
+            nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks]
+
+
+# ---- ATen operators in export graphs (fxopt.analysis) ----
+
+def aten_op_name(target) -> str | None:
+    """The ATen op's name without namespace and overload (`aten.relu_.default` -> "relu_"), or None."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        return target.overloadpacket.__name__
+    return None
+
+
+def aliased_argument(target) -> tuple[str, bool] | None:
+    """(argument name, written) when an ATen op's first result shares storage with an argument:
+    a view (`view`, `reshape`, `to`: not written) or an in-place / out= op (`relu_`, `add.out`: written)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return None
+    if returns_list(target):  # a list of views (`split`, `unbind`): `Tensor(a -> *) self`
+        views = [a.name for a in schema.arguments if a.alias_info is not None and not a.alias_info.is_write]
+        return (views[0], False) if views else None
+    if schema.returns[0].alias_info is None:
+        return None
+    sets = schema.returns[0].alias_info.before_set
+    for arg in schema.arguments:
+        if arg.alias_info is not None and arg.alias_info.before_set & sets:
+            return arg.name, arg.alias_info.is_write
+    return None
+
+
+def returns_list(target) -> bool:
+    """Whether an ATen op returns a list of tensors (`split`, `chunk`, `unbind`)."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
+
+
+def bind_aten_arguments(target, args: tuple, kwargs: dict) -> dict:
+    """{argument name: value} of an ATen op call, defaults filled in, in schema order."""
+    bound = {}
+    for i, arg in enumerate(target._schema.arguments):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+# ---- capture (fxopt.capture) ----
+
+def noting_autograd_runs(callback):
+    """Context in which every `torch.autograd.grad` / `backward` call first calls `callback()`.
+
+    Both reach the engine through `torch.autograd._engine_run_backward`, a module global.
+    """
+    from unittest import mock
+
+    import torch.autograd as autograd
+
+    run = autograd._engine_run_backward
+
+    def noted(*args, **kwargs):
+        callback()
+        return run(*args, **kwargs)
+
+    return mock.patch.object(autograd, "_engine_run_backward", noted)
+
+
+def higher_order_op_type() -> type:
+    """The type of torch's higher-order operators (`torch.ops.higher_order.cond`, `wrap_with_autocast`, ...)."""
+    return torch._ops.HigherOrderOperator
+
+
+class OpReference(tuple):
+    """A picklable name for an ATen operator or higher-order op: ("aten::conv2d", "default") / ("higher_order", name)."""
+
+
+def op_reference(target):
+    """`target` itself if it pickles by reference, else an OpReference (OpOverloads and HOPs do not pickle)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return OpReference((target._schema.name, target._overloadname))
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return OpReference((target._qualified_op_name, None))
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return OpReference(("higher_order", target.name()))
+    return target
+
+
+def op_from_reference(target):
+    """The operator an `op_reference` named (anything else is returned as it is)."""
+    if not isinstance(target, OpReference):
+        return target
+    qualified, overload = target
+    if qualified == "higher_order":
+        return getattr(torch.ops.higher_order, overload)
+    namespace, name = qualified.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
+def quiet_export_logs():
+    """Context in which torch.export's diagnostics stay unprinted: its log warnings, and the partial graph
+    `torch.export._trace` prints to stderr when it gives up.
+
+    fxopt reports export's reason itself, in the report of the module that stays opaque.
+    """
+    import contextlib
+    import io
+    import logging
+
+    @contextlib.contextmanager
+    def quiet():
+        loggers = [logging.getLogger(name) for name in
+                   ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export", "torch._dynamo")]
+        levels = [logger.level for logger in loggers]
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+    return quiet()
+
+
+def output_structure(gm) -> tuple[list, list[int]] | None:
+    """(top-level keys or indices, number of flat outputs in each) of the structure an exported
+    graph's flat outputs are rebuilt into (its pytree code generation), or None for a plain graph."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    spec = getattr(info, "out_spec", None)
+    if spec is None:
+        return None
+    if spec.is_leaf():
+        return [0], [1]
+    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.10
+    context = spec.context
+    keyed = isinstance(context, (list, tuple)) and len(context) == len(children) and \
+        all(isinstance(k, str) for k in context)
+    return (list(context) if keyed else list(range(len(children)))), [c.num_leaves for c in children]
+
+
+def exported_module(ep) -> "torch.fx.GraphModule":
+    """`ep.module()` without export's input-guard call in the graph (fxopt checks calls itself, see capture/call_spec.py).
+
+    torch before 2.9 has no `check_guards` and puts no guard call in the graph.
+    """
+    try:
+        return ep.module(check_guards=False)
+    except TypeError:
+        return ep.module()
+
+
+def call_structure(gm):
+    """The pytree structure of the (args, kwargs) an exported GraphModule flattens its call into."""
+    return gm._in_spec
+
+
+def graph_codegen(graph):
+    """How `graph` generates its Python code (for an exported graph: with its call's pytree structures)."""
+    return graph._codegen
+
+
+def set_graph_codegen(graph, codegen) -> None:
+    graph._codegen = codegen
+
+
+def add_deepcopy_hook(gm, hook) -> None:
+    """Call `hook(copy)` on every deep copy of GraphModule `gm` (once, however often this is called)."""
+    if hook not in getattr(gm, "_deepcopy_hooks", []):
+        gm._register_deepcopy_hook(hook)

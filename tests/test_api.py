@@ -21,10 +21,12 @@ X = torch.randn(2, 3, 8, 8)
 
 
 def test_fully_traceable_model_comes_back_as_a_graph_module_with_a_report():
-    """A model plain tracing accepts becomes one GraphModule carrying its report."""
+    """A model export accepts whole runs as one GraphModule; the guarded result carries the report."""
     model = small_net().eval()
     optimized = fxopt.optimize(model, X)
-    assert isinstance(optimized, fx.GraphModule)
+    assert isinstance(optimized, fxopt.OptimizedModule)
+    assert isinstance(optimized.graph_module, fx.GraphModule)
+    assert list(optimized.state_dict()) == list(model.state_dict())
     assert optimized.fxopt_report.mode == "inference"
     assert optimized.fxopt_report["fold_conv_bn"].stats["folded"] == 1
     assert_same_step(model, optimized, (X,), training=False)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import fxopt
 from fxopt.analysis import grad_needs
 from fxopt.analysis.saved_tensors import SavedForBackward
 from fxopt.analysis.side_effects import IO, MUTATION, OPAQUE, RNG, STATS, effects
+from fxopt.guards import TRAIN_MODE
 from fxopt.measure import measure_saved_bytes
 from fxopt.passes.base import PassContext
 from fxopt.passes.prune_dead_grads import PruneDeadGrads
@@ -130,9 +132,10 @@ def test_aux_head_declared_non_differentiable_runs_without_grad():
     assert "aux.0.weight" in report.figures["params_losing_grad"]
     assert "head.weight" in report.figures["params_needing_grad"]
     assert report.figures["bytes_no_longer_saved"] > 0
-    code = opt.code
+    code = opt.graph_module.code
     assert "call_without_grad" in code and ".detach()" in code
-    assert "self.head(" in code  # the main head stays recorded
+    main = re.search(r"tree_unflatten\(\((\w+),", code).group(1)
+    assert f"{main} = torch.ops.aten.linear.default(" in code  # the main head stays recorded
     out = opt(X_VEC)
     assert [t.requires_grad for t in out] == [True, False, False]
 
@@ -165,7 +168,7 @@ def test_differentiated_aux_output_prunes_nothing():
     model = aux_model()
     for declared in (None, [0, 1, 2]):
         opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=declared)
-        assert "call_without_grad" not in opt.code and "detach" not in opt.code
+        assert "call_without_grad" not in opt.graph_module.code and "detach" not in opt.graph_module.code
         assert not opt.fxopt_report["prune_dead_grads"].changed
         assert_same_step(model, opt, (X_VEC,), training=True)
 
@@ -173,8 +176,8 @@ def test_differentiated_aux_output_prunes_nothing():
 def test_node_feeding_both_kinds_of_output_stays_recorded():
     """The trunk feeds the loss and a declared-non-differentiable output: it is detached, not unrecorded."""
     opt = fxopt.optimize(aux_model(), X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0, 1])
-    code = opt.code
-    assert "call_without_grad" not in code and "body_3.detach()" in code
+    code = opt.graph_module.code
+    assert "call_without_grad" not in code and "relu_1.detach()" in code
 
 
 class MutatesTrunk(AuxHead):
@@ -190,7 +193,7 @@ def test_aux_head_writing_into_live_tensor_stays_recorded():
     """An aux value written in place into a tensor the loss reads must keep its gradient path (refusal)."""
     model = aux_model(MutatesTrunk)
     opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
-    assert "call_without_grad" not in opt.code
+    assert "call_without_grad" not in opt.graph_module.code
     assert_same_declared_step(model, opt, X_VEC, {0})
     assert "aux.0.weight" in opt.fxopt_report["prune_dead_grads"].figures["params_needing_grad"]
 
@@ -211,7 +214,8 @@ def test_writes_inside_the_aux_head_do_not_keep_it_recorded():
     """In-place ops on the aux head's own activations touch nothing the loss reads: the head still prunes."""
     model = aux_model(InplaceAux)
     opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
-    assert opt.fxopt_report["prune_dead_grads"].stats["no_grad"] == 3  # mul_ reads no recorded value
+    # the aux linears, their relu_ and the mul_ (form change: export returns mul_'s result, so it has a user)
+    assert opt.fxopt_report["prune_dead_grads"].stats["no_grad"] == 4
     assert_same_declared_step(model, opt, X_VEC, {0})
 
 
@@ -237,12 +241,12 @@ class AtenAux(AuxHead):
         return self.head(h), torch.ops.aten.mul.Tensor(self.aux(h), 2.0)
 
 
-def test_function_that_cannot_be_named_stays_recorded():
-    """A graph holds a no_grad callee by its import name; an ATen overload has none, so it stays recorded."""
+def test_aten_overload_outside_the_loss_runs_without_grad():
+    """An ATen overload feeding only an undeclared output runs under no_grad too (the graph prints it by name)."""
     model = aux_model(AtenAux)
     opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
     report = opt.fxopt_report["prune_dead_grads"]
-    assert report.stats["refused_not_importable"] == 1 and report.stats["no_grad"] == 4
+    assert report.stats["refused_not_importable"] == 0 and report.stats["no_grad"] == 5
     assert not opt(X_VEC)[1].requires_grad
     assert_same_declared_step(model, opt, X_VEC, {0})
 
@@ -314,7 +318,10 @@ def test_frozen_middle_with_eval_bn_alone():
     assert_same_step(model, opt, (X_IMG,), training=True)
     report = opt.fxopt_report["prune_dead_grads"]
     assert report.stats["frozen_conv"] == 2 and report.stats["frozen_bn"] == 2
-    assert opt.code.count("conv_saving_what_grads_need(") == 2 and "eval_batch_norm_scale_shift" in opt.code
+    code = opt.graph_module.code
+    assert code.count("conv_saving_what_grads_need(") == 2 and "eval_batch_norm_scale_shift" in code
+    assert {(g.kind, g.target, g.expected) for g in opt.fxopt_report.guards if g.owner == "prune_dead_grads"} == {
+        (TRAIN_MODE, "body.0.1", False), (TRAIN_MODE, "body.1.1", False)}  # the scale-and-shift assumes eval BNs
     assert report.figures["bytes_no_longer_saved"] > 0  # the BN inputs
     assert report.figures["params_needing_grad"] == ["head.2.bias", "head.2.weight", "stem.0.bias", "stem.0.weight"]
 
@@ -394,21 +401,27 @@ class HookedConv(FrozenMiddle):
     pass
 
 
-def test_hooked_frozen_conv_is_refused():
-    """A hook on a frozen conv would be skipped by a functional replacement: refuse."""
+def test_hooked_frozen_conv_keeps_its_hook():
+    """export records a frozen conv's hook as graph ops, so the conv is rewritten and the hook still runs.
+
+    (Form change: in the module form a hooked conv was a `module_has_hooks` refusal; a hook added
+    after optimize is the guards' business.)"""
     model = frozen_middle(blocks=1)
-    model.body[0][0].register_forward_hook(lambda *a: None)
+    model.body[0][0].register_forward_hook(lambda module, args, out: out * 2)
     opt = fxopt.optimize(model, X_IMG, mode="training", passes=PRUNE)
-    assert opt.fxopt_report["prune_dead_grads"].stats["refused_module_has_hooks"] == 1
+    assert opt.fxopt_report["prune_dead_grads"].stats["frozen_conv"] == 1
     assert_same_step(model, opt, (X_IMG,), training=True)
 
 
-def test_reflect_padded_frozen_conv_is_refused():
-    """torch.convolution has no padding modes: a reflect-padded frozen conv stays as it is."""
+def test_reflect_padded_frozen_conv_is_rewritten_after_its_pad():
+    """export writes padding_mode='reflect' as an explicit `aten.pad`, so the frozen conv after it is rewritten.
+
+    (Form change: in the module form this was an `unsupported_conv` refusal.)"""
     model = frozen_middle(blocks=1)
     model.body[0][0].padding_mode = "reflect"
     opt = fxopt.optimize(model, X_IMG, mode="training", passes=PRUNE)
-    assert opt.fxopt_report["prune_dead_grads"].stats["refused_unsupported_conv"] == 1
+    assert opt.fxopt_report["prune_dead_grads"].stats["frozen_conv"] == 1
+    assert "aten.pad" in opt.graph_module.code
     assert_same_step(model, opt, (X_IMG,), training=True)
 
 
@@ -457,7 +470,7 @@ def test_op_keeping_no_input_is_not_rewritten(monkeypatch):
                         lambda node, gm, rg: SavedForBackward(False, (), True))
     opt = fxopt.optimize(frozen_middle(), X_IMG, mode="training", passes=PRUNE)
     assert opt.fxopt_report["prune_dead_grads"].stats["refused_no_waste"] == 4
-    assert "conv_saving_what_grads_need" not in opt.code
+    assert "conv_saving_what_grads_need" not in opt.graph_module.code
 
 
 # ---- 3. dead code and side effects ----
@@ -484,8 +497,62 @@ def test_dead_code_is_removed_but_effects_survive():
     opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE)
     report = opt.fxopt_report["prune_dead_grads"]
     assert report.stats["removed"] == 2  # lin + sigmoid
-    assert "sigmoid" not in opt.code and "self.bn(" in opt.code and "dropout" in opt.code
+    code = opt.graph_module.code
+    assert "sigmoid" not in code and "aten.batch_norm" in code and "dropout" in code
     assert_same_step(model, opt, (X_VEC,), training=True)
+
+
+class UnreadFunctionalBN(nn.Module):
+    """A functional train-mode batch_norm whose result nobody reads: it still updates the running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("mean", torch.zeros(16))
+        self.register_buffer("var", torch.ones(16))
+
+    def forward(self, x):
+        h = self.lin(x)
+        F.batch_norm(h, self.mean, self.var, training=True)  # dead, but writes `mean` and `var`
+        return h * 2
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_dead_functional_train_mode_batch_norm_survives(mode):
+    """An unread train-mode F.batch_norm updates its running statistics: removing it would change the buffers."""
+    model = UnreadFunctionalBN().train(mode == "training")
+    opt = fxopt.optimize(model, X_VEC, mode=mode, passes=PRUNE)
+    assert opt.fxopt_report["prune_dead_grads"].stats["removed"] == 0
+    assert_same_step(model, opt, (X_VEC,), training=mode == "training")
+
+
+class SharedStatsFrozenBN(nn.Module):
+    """A frozen eval BatchNorm whose running statistics a train-mode batch_norm later updates in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.bn.weight.requires_grad_(False)
+        self.bn.bias.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.stem(x)
+        y = F.batch_norm(h, self.bn.running_mean, self.bn.running_var, self.bn.weight, self.bn.bias, training=False)
+        z = F.batch_norm(h, self.bn.running_mean, self.bn.running_var, training=True)  # writes the statistics
+        return y * z
+
+
+def test_frozen_bn_whose_statistics_the_graph_writes_is_refused():
+    """Eager autograd reads an eval BN's running statistics at backward time, after the write: no scale-and-shift."""
+    torch.manual_seed(0)
+    model = SharedStatsFrozenBN().train()
+    with torch.no_grad():
+        model.bn.running_var.uniform_(0.5, 2.0)
+    opt = fxopt.optimize(model, X_IMG, mode="training", passes=PRUNE)
+    report = opt.fxopt_report["prune_dead_grads"]
+    assert report.stats["refused_state_written"] == 1 and report.stats["frozen_bn"] == 0
+    assert_same_step(model, opt, (X_IMG,), training=True)
 
 
 def test_aux_dropout_and_bn_stats_run_the_same_without_grad():
@@ -501,7 +568,7 @@ def test_aux_dropout_and_bn_stats_run_the_same_without_grad():
 
     model = aux_model(AuxBN)
     opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
-    assert "call_without_grad" in opt.code
+    assert "call_without_grad" in opt.graph_module.code
     assert_same_declared_step(model, opt, X_VEC, {0})
 
 
@@ -578,6 +645,6 @@ def test_opaque_module_is_an_effect():
 def test_second_run_changes_nothing(make, x, declared):
     """Running the pass again on its own output changes nothing."""
     opt = fxopt.optimize(make(), x, mode="training", passes=PRUNE, differentiable_outputs=declared)
-    code = opt.code
-    again = rerun(opt, differentiable_outputs=declared)
-    assert not again.changed and opt.code == code
+    code = opt.graph_module.code
+    again = rerun(opt.graph_module, differentiable_outputs=declared)
+    assert not again.changed and opt.graph_module.code == code

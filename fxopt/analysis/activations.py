@@ -1,7 +1,9 @@
 """Recognise the ReLU family (relu, relu6, hardtanh, leaky_relu, elu, hardswish, silu) in any form.
 
-`nn.ReLU()` modules, `F.relu(x)` / `torch.relu(x)` calls and `x.relu()` methods all become one
-`ActivationCall` with the op's parameters, so a pass can re-emit it as `F.<kind>(x, ..., inplace=True)`.
+`aten.relu.default(x)` (torch.export), `nn.ReLU()` modules, `F.relu(x)` / `torch.relu(x)` calls
+and `x.relu()` methods all become one `ActivationCall` with the op's parameters, so a pass can
+re-emit it in place: `aten.relu_.default(x)` in an ATen graph (the in-place overload takes the
+same arguments), `F.<kind>(x, ..., inplace=True)` otherwise.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .. import _torch_private
 from .saved_tensors import op_name
 
 # kind -> (its parameters in functional argument order, with their defaults)
@@ -32,14 +35,13 @@ class ActivationCall:
     kind: str  # a key of _PARAMETERS
     params: dict[str, Any]
     inplace: bool
-
-    @property
-    def function(self):
-        return getattr(F, self.kind)
+    aten: bool = False  # an ATen op of an exported graph
 
     def inplace_form(self) -> tuple[Any, tuple, dict]:
         """(target, args, kwargs) of the same activation written in place."""
-        return self.function, (self.input, *self.params.values()), {"inplace": True}
+        if self.aten:
+            return getattr(torch.ops.aten, f"{self.kind}_").default, (self.input, *self.params.values()), {}
+        return getattr(F, self.kind), (self.input, *self.params.values()), {"inplace": True}
 
 
 def match_activation(node: fx.Node, gm: fx.GraphModule) -> ActivationCall | None:
@@ -51,6 +53,10 @@ def match_activation(node: fx.Node, gm: fx.GraphModule) -> ActivationCall | None
     if kind not in _PARAMETERS:
         return None
     defaults = _PARAMETERS[kind]
+    if node.op == "call_function" and _torch_private.aten_op_name(node.target) is not None:
+        bound = _torch_private.bind_aten_arguments(node.target, node.args, node.kwargs)  # self, then parameters
+        x = bound.pop("self")
+        return ActivationCall(node, x, kind, bound, inplace, aten=True)
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         if isinstance(module, torch.nn.ReLU6):  # a Hardtanh(0, 6) computed by F.relu6's kernel

@@ -6,7 +6,9 @@ its input itself (`contiguous`, `to`, eval-mode dropout, `nn.Identity`). Aliasin
 groups (union-find), which over-approximates "may alias" and so errs on the safe side.
 
 Sources, all merged:
-- the view/in-place rules below, keyed by `fxopt.analysis.saved_tensors.op_name`;
+- the view/in-place rules below, keyed by `fxopt.analysis.saved_tensors.op_name`; for ATen ops
+  (torch.export graphs) the op's schema, which says which argument a view or an in-place /
+  `out=` result shares storage with (`aten.view(Tensor(a) self)`, `aten.add.out(..., Tensor(a!) out)`);
 - an op fxopt does not know (not in the saved-for-backward table) may alias every tensor input;
 - FakeTensor storages in `node.meta["val"]`: nodes whose fake tensors share a storage.
 """
@@ -25,9 +27,9 @@ VIEW_OPS = frozenset({
     "movedim", "swapaxes", "contiguous", "to", "float", "type_as", "identity", "getattr",
 })
 # View ops returning several views of one base: autograd forbids writing into any of them in place.
-MULTI_OUTPUT_VIEW_OPS = frozenset({"chunk", "split", "unbind"})
-# Reading only a tensor's metadata is not a read of its values.
-_METADATA_OPS = frozenset({"size", "dim", "numel"})
+_MULTI_OUTPUT_VIEW_OPS = frozenset({"chunk", "split", "unbind"})
+# Reading only a tensor's metadata is not a read of its values (export checks dtypes with the last one).
+_METADATA_OPS = frozenset({"size", "dim", "numel", "sym_size", "sym_stride", "sym_numel", "_assert_tensor_metadata"})
 _METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout"})
 
 
@@ -54,12 +56,24 @@ def has_internal_overlap(node: fx.Node) -> bool:
     return val is None or any(stride == 0 and size > 1 for stride, size in zip(val.stride(), val.shape))
 
 
-def may_return_input(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """The output may share storage with the node's first tensor input."""
+def returns_several_views(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """`chunk`, `split`, `unbind` and other ops returning a list of views of one tensor."""
+    if node.op == "call_function" and _torch_private.aten_op_name(node.target) is not None:
+        return _torch_private.returns_list(node.target) and _torch_private.aliased_argument(node.target) is not None
+    return op_name(node, gm) in _MULTI_OUTPUT_VIEW_OPS
+
+
+def aliased_inputs(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
+    """The input nodes the output may share storage with (a known op: at most one)."""
     name = op_name(node, gm)
+    inputs = [n for n in node.all_input_nodes if not is_metadata_read(n)]
     if name == "dropout":
-        return not dropout_training(node)
-    return name in VIEW_OPS or is_inplace_op(name)
+        return [] if dropout_training(node) else inputs[:1]
+    aliased = _torch_private.aliased_argument(node.target) if node.op == "call_function" else None
+    if aliased is not None:
+        value = _torch_private.bind_aten_arguments(node.target, node.args, node.kwargs).get(aliased[0])
+        return [value] if isinstance(value, fx.Node) else []
+    return inputs[:1] if name in VIEW_OPS or is_inplace_op(name) else []
 
 
 class AliasInfo:
@@ -72,9 +86,9 @@ class AliasInfo:
         by_storage: dict[int, fx.Node] = {}
         for node in gm.graph.nodes:
             self._parent[node] = node
-            inputs = [n for n in node.all_input_nodes if not is_metadata_read(n)]
             if node.op in ("call_function", "call_method", "call_module") and not is_metadata_read(node):
-                may_alias = inputs if not is_known_op(node, gm) else inputs[:1] if may_return_input(node, gm) else []
+                unknown = [n for n in node.all_input_nodes if not is_metadata_read(n)]
+                may_alias = unknown if not is_known_op(node, gm) else aliased_inputs(node, gm)
                 for n in may_alias:
                     self.merge(node, n)
             val = tensor_meta(node)

@@ -5,7 +5,7 @@ answers, without running anything:
 
   requires_grad       values autograd records when the graph runs (reach a trainable parameter or an
                       input whose example requires grad), following dtypes: integer and bool results,
-                      `detach` and calls already run without grad record nothing
+                      `detach`, calls already run without grad and exported no_grad regions record nothing
   grad_live           nodes a differentiated output depends on, plus every node that runs opaque
                       code or writes into a tensor that may share storage (`aliasing.AliasInfo`)
                       with such a node or with a graph input (the write carries gradient into
@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from .aliasing import AliasInfo
+from .ops import region_of
 from .saved_tensors import SavedForBackward
 from .side_effects import MUTATION, OPAQUE, WITHOUT_GRAD_WRAPPERS, effects, qualified_name
 
@@ -101,7 +102,8 @@ def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str], writers:
             needs = bool(_trainable_params(node, gm, constant_inputs))
         elif node.op in _CALLS:
             reads = any(n in result for n in node.all_input_nodes) or bool(_trainable_params(node, gm, constant_inputs))
-            silent = node.target == "detach" or qualified_name(node.target) in WITHOUT_GRAD_WRAPPERS
+            silent = node.target == "detach" or qualified_name(node.target) in WITHOUT_GRAD_WRAPPERS \
+                or _runs_without_grad(node, gm)
             needs = reads and not silent and _differentiable_value(node)
         else:
             needs = False
@@ -110,6 +112,12 @@ def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str], writers:
             if node in writers:  # writing a recorded value into a tensor makes it (and its views) recorded
                 result.update(a for n in node.all_input_nodes for a in aliases.aliases(n) if _differentiable_value(a))
     return result
+
+
+def _runs_without_grad(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """An exported `with torch.no_grad():` block (wrap_with_set_grad_enabled(False, ...))."""
+    region = region_of(node, gm)
+    return region is not None and region.kind == "grad" and not region.enabled
 
 
 def _add_with_inputs(live: set[fx.Node], roots) -> None:

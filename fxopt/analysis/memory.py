@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from .flops import node_flops
+from .ops import resolve
 from .saved_tensors import saved_bytes, saved_for_backward
 from .shapes import tensor_meta
 
@@ -237,7 +238,10 @@ def _needs_grad(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes whose output requires grad (shape propagation runs under no_grad, so it is derived here)."""
     out = set()
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
+        if node.op == "get_attr":  # the parameter itself: export's fake values do not carry requires_grad
+            if getattr(resolve(node, gm), "requires_grad", False):
+                out.add(node)
+        elif node.op == "placeholder":
             if any(t.requires_grad for t in _tensors(node.meta.get("val"))):
                 out.add(node)
         elif node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(node.target).parameters()):

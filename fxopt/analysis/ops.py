@@ -1,10 +1,16 @@
 """Recognise an op in any of the forms a graph can hold it, as one record.
 
-The same convolution reaches fxopt as a `call_module` to an `nn.Conv2d` (symbolic_trace), as
-`F.conv2d(x, self.weight, ...)` with `get_attr` weights (functional models), or as
-`torch.conv2d(x, weight_placeholder, ...)` where parameters are graph inputs (TorchDynamo).
-`match_conv`, `match_linear` and `match_batch_norm` turn each into a record whose tensor fields
-are `TensorRef`s, so a pass is written once for all forms.
+The same convolution reaches fxopt as `aten.conv2d.default(x, weight, ...)` with `get_attr`
+weights (torch.export's ATen training IR, what `fxopt.optimize` captures), as
+`torch.conv2d(x, weight_placeholder, ...)` where parameters are graph inputs (TorchDynamo, the
+torch.compile backend), as `F.conv2d(x, self.weight, ...)`, or as a `call_module` to an
+`nn.Conv2d` (symbolic_trace). `match_conv`, `match_linear` and `match_batch_norm` turn each into
+a record whose tensor fields are `TensorRef`s, so a pass is written once for all forms.
+
+`region_of` recognises export's grad-mode and autocast regions
+(`wrap_with_set_grad_enabled(enabled, submod, *args)`, `wrap_with_autocast(device, dtype,
+enabled, cache, submod, *args)`): their body is a separate GraphModule, so a pass that looks at
+one graph never rewrites across a region boundary.
 
 A `TensorRef` is either an `fx.Node` (get_attr or placeholder) or the qualified name of a
 module attribute (`"layer1.conv.weight"`) for the `call_module` form.
@@ -19,6 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 TensorRef = Union[fx.Node, str]
+aten = torch.ops.aten
 
 _BATCH_NORM_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 # A subclass that overrides forward computes something else (it reaches us as an opaque leaf).
@@ -33,17 +40,28 @@ _CONV_FUNCTIONS = {
     F.conv_transpose1d: (1, True), F.conv_transpose2d: (2, True), F.conv_transpose3d: (3, True),
     torch.conv_transpose1d: (1, True), torch.conv_transpose2d: (2, True), torch.conv_transpose3d: (3, True),
 }
+# ATen's convolutions (export's training IR); `aten.convolution` says transposed and dims in its arguments.
+_ATEN_CONVS = {
+    aten.conv1d.default: (1, False), aten.conv2d.default: (2, False), aten.conv3d.default: (3, False),
+    aten.conv1d.padding: (1, False), aten.conv2d.padding: (2, False), aten.conv3d.padding: (3, False),
+    aten.conv_transpose1d.default: (1, True), aten.conv_transpose2d.input: (2, True),
+    aten.conv_transpose3d.input: (3, True),
+}
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_T_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+_CONVOLUTION_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding",
+                     "groups")
 _CONV_DEFAULTS = dict(bias=None, stride=1, padding=0, dilation=1, groups=1, output_padding=0)
-# The two batch-norm entry points order their arguments differently.
+# The batch-norm entry points: F.batch_norm orders its arguments differently from torch / aten.
+_TORCH_BN_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
+                  "cudnn_enabled")
 _BN_FUNCTIONS = {
     F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
-    torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
-                       "cudnn_enabled"),
+    torch.batch_norm: _TORCH_BN_ARGS,
+    aten.batch_norm.default: _TORCH_BN_ARGS,
 }
 _BN_DEFAULTS = dict(weight=None, bias=None, training=False, momentum=0.1, eps=1e-5)
-_LINEAR_FUNCTIONS = (F.linear,)
+_LINEAR_FUNCTIONS = (F.linear, aten.linear.default)
 
 
 def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict) -> dict[str, Any]:
@@ -77,16 +95,26 @@ class ConvCall:
     module: torch.nn.Module | None = None
     unsupported: str = ""  # non-empty: a form we recognise but must not rewrite, and why
 
-    @property
-    def function(self):
-        """The functional op computing this convolution."""
+    def call_with(self, weight, bias) -> tuple[Any, tuple, dict]:
+        """(target, args, kwargs) of this convolution with another weight and bias, in the graph's own form."""
+        if self.node.op == "call_function":
+            return _replace_weight_and_bias(self.node, weight, bias)
         name = f"conv_transpose{self.spatial_dims}d" if self.transposed else f"conv{self.spatial_dims}d"
-        return getattr(F, name)
-
-    def functional_args(self, x, weight, bias) -> tuple:
         if self.transposed:
-            return (x, weight, bias, self.stride, self.padding, self.output_padding, self.groups, self.dilation)
-        return (x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+            return getattr(F, name), (self.input, weight, bias, self.stride, self.padding, self.output_padding,
+                                      self.groups, self.dilation), {}
+        return getattr(F, name), (self.input, weight, bias, self.stride, self.padding, self.dilation, self.groups), {}
+
+
+def _replace_weight_and_bias(node: fx.Node, weight, bias) -> tuple[Any, tuple, dict]:
+    """`node`'s call with its weight and bias (arguments 1 and 2 of every conv and linear) replaced."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for position, name, value in ((1, "weight", weight), (2, "bias", bias)):
+        if len(args) > position:
+            args[position] = value
+        else:
+            kwargs[name] = value
+    return node.target, tuple(args), kwargs
 
 
 def match_conv(node: fx.Node, gm: fx.GraphModule) -> ConvCall | None:
@@ -104,10 +132,16 @@ def match_conv(node: fx.Node, gm: fx.GraphModule) -> ConvCall | None:
                         _attr(node.target, "bias") if module.bias is not None else None, kind[0], kind[1],
                         module.stride, module.padding, module.dilation, module.groups,
                         getattr(module, "output_padding", 0), module, unsupported)
-    if node.op != "call_function" or node.target not in _CONV_FUNCTIONS:
+    if node.op != "call_function":
         return None
-    dims, transposed = _CONV_FUNCTIONS[node.target]
-    b = _bind(node, _CONV_T_ARGS if transposed else _CONV_ARGS, _CONV_DEFAULTS)
+    if node.target is aten.convolution.default:
+        b = _bind(node, _CONVOLUTION_ARGS, _CONV_DEFAULTS)
+        dims, transposed = len(b["stride"]), b["transposed"]
+    elif node.target in _CONV_FUNCTIONS or node.target in _ATEN_CONVS:
+        dims, transposed = _CONV_FUNCTIONS.get(node.target) or _ATEN_CONVS[node.target]
+        b = _bind(node, _CONV_T_ARGS if transposed else _CONV_ARGS, _CONV_DEFAULTS)
+    else:
+        return None
     return ConvCall(node, b["input"], b["weight"], b["bias"], dims, transposed, b["stride"], b["padding"],
                     b["dilation"], b["groups"], b["output_padding"])
 
@@ -119,6 +153,12 @@ class LinearCall:
     weight: TensorRef
     bias: TensorRef | None
     module: torch.nn.Module | None = None
+
+    def call_with(self, weight, bias) -> tuple[Any, tuple, dict]:
+        """(target, args, kwargs) of this linear layer with another weight and bias, in the graph's own form."""
+        if self.node.op == "call_function":
+            return _replace_weight_and_bias(self.node, weight, bias)
+        return F.linear, (self.input, weight, bias), {}
 
 
 def match_linear(node: fx.Node, gm: fx.GraphModule) -> LinearCall | None:
@@ -170,6 +210,31 @@ def match_batch_norm(node: fx.Node, gm: fx.GraphModule) -> BatchNormCall | None:
     b = _bind(node, _BN_FUNCTIONS[node.target], _BN_DEFAULTS)
     return BatchNormCall(node, b["input"], b["running_mean"], b["running_var"], b["weight"], b["bias"],
                          b["training"], b["eps"])
+
+
+@dataclasses.dataclass
+class Region:
+    """A grad-mode or autocast region of an exported graph: `body` runs its `args` under the mode."""
+
+    node: fx.Node
+    kind: str  # "grad" (wrap_with_set_grad_enabled) or "autocast" (wrap_with_autocast)
+    enabled: bool  # grad enabled inside / autocast enabled
+    body: fx.GraphModule
+    args: tuple
+    dtype: Any = None  # autocast's dtype
+
+
+def region_of(node: fx.Node, gm: fx.GraphModule) -> Region | None:
+    """The region a `wrap_with_set_grad_enabled` / `wrap_with_autocast` call runs, or None."""
+    if node.op != "call_function":
+        return None
+    if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+        enabled, body, *args = node.args
+        return Region(node, "grad", enabled, gm.get_submodule(body.target), tuple(args))
+    if node.target is torch.ops.higher_order.wrap_with_autocast:
+        _device, dtype, enabled, _cache, body, *args = node.args
+        return Region(node, "autocast", enabled, gm.get_submodule(body.target), tuple(args), dtype)
+    return None
 
 
 def resolve(ref: TensorRef | None, gm: fx.GraphModule) -> torch.Tensor | None:

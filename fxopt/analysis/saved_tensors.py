@@ -7,7 +7,9 @@ activation overwrite its input? may relu save a mask instead of its output?), an
 (what does a region keep alive?).
 
 The table is keyed by op name, the same for every form a graph holds an op in (`op_name`):
-`nn.ReLU` modules, `F.relu` / `torch.relu` calls and `x.relu()` methods are all "relu".
+`aten.relu.default` (torch.export), `nn.ReLU` modules, `F.relu` / `torch.relu` calls and
+`x.relu()` methods are all "relu". An ATen op whose schema says it returns a view of an argument
+(`aten.slice`, `aten.alias`, ...) keeps nothing, like the views listed here.
 Entries are what autograd saves when every tensor input requires grad (checked against
 `torch.autograd.graph.saved_tensors_hooks` by tests/test_saved_tensors.py); with some inputs
 frozen autograd may save less, so the table is a safe over-approximation. An op not in the
@@ -24,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .. import _torch_private
 from .shapes import tensor_meta
 
 # Which tensor inputs a backward keeps: none, the first, all, or (products) each operand for the
@@ -76,15 +79,19 @@ _TABLE: dict[str, _Rule] = {
     **dict.fromkeys(["hardtanh", "relu6", "leaky_relu", "elu", "hardswish", "silu", "gelu", "mish", "softplus",
                      "hardsigmoid", "abs", "log", "square", "avg_pool1d", "avg_pool2d", "avg_pool3d"],
                     _KEEPS_INPUT),
+    # reflect / replicate padding keeps its input (constant padding keeps nothing: the table errs on keeping)
+    "pad": _KEEPS_INPUT,
     # a power keeps base, exponent and result (the table errs on the side of keeping)
     "pow": _Rule(output=True, inputs=ALL),
     # max pooling keeps its input and the int64 argmax indices
     **dict.fromkeys(["max_pool1d", "max_pool2d", "max_pool3d"], _Rule(inputs=FIRST, extra=_int64_like_output)),
     # products and layers keep their operands (weights, running statistics: parameters and buffers)
     **dict.fromkeys(["mul", "div", "truediv"], _Rule(inputs=OPERANDS)),
-    **dict.fromkeys(["matmul", "mm", "bmm", "addmm", "linear", "conv1d", "conv2d",
+    **dict.fromkeys(["matmul", "mm", "bmm", "addmm", "linear", "conv1d", "conv2d", "convolution",
                      "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "batch_norm",
-                     "layer_norm", "group_norm", "instance_norm", "embedding"], _KEEPS_ALL_INPUTS),
+                     "layer_norm", "group_norm", "instance_norm", "embedding", "gather", "index"], _KEEPS_ALL_INPUTS),
+    # attention keeps query, key, value and its output (plus the log-sum-exp of each row)
+    "scaled_dot_product_attention": _Rule(output=True, inputs=ALL),
     # fxopt's relu that keeps a bool mask of where its input was positive (fxopt.passes._relu_mask)
     **dict.fromkeys(["relu_mask", "relu_mask_"], _Rule(extra=_bool_like_output)),
     # fxopt's conv placed where the weight is frozen: keeps its weight, never its input (fxopt.passes._frozen_ops)
@@ -97,8 +104,15 @@ _TABLE: dict[str, _Rule] = {
                      "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "to", "float", "type_as",
                      "identity", "view", "reshape", "flatten", "unflatten", "transpose", "permute", "t", "getitem",
                      "squeeze", "unsqueeze", "expand", "expand_as", "view_as", "reshape_as", "narrow", "select",
-                     "chunk", "split", "unbind", "detach", "movedim", "swapaxes", "getattr", "size", "dim", "numel"],
+                     "chunk", "split", "unbind", "detach", "movedim", "swapaxes", "getattr", "size", "dim", "numel",
+                     "cumsum", "diff", "_to_copy", "lift_fresh_copy", "_assert_tensor_metadata"],
                     _KEEPS_NOTHING),
+    # in-place additions and copies (buffer updates, export's writebacks): their backward needs no values
+    **dict.fromkeys(["add_", "sub_", "copy_", "zero_", "fill_"], _KEEPS_NOTHING),
+    # comparisons and factories: results nobody differentiates
+    **dict.fromkeys(["eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "logical_not", "arange", "zeros",
+                     "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
+                     "new_ones", "new_full", "new_empty", "scalar_tensor"], _KEEPS_NOTHING),
 }
 
 # nn.Module types in the torch.nn namespace, by the op name their forward computes.
@@ -147,7 +161,7 @@ def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
         return name + "_" if getattr(module, "inplace", False) and name in _INPLACE_ARG else name
     if node.op != "call_function":
         return None
-    own = getattr(node.target, "fxopt_op_name", None)
+    own = getattr(node.target, "fxopt_op_name", None) or _torch_private.aten_op_name(node.target)
     if own is not None:
         return own
     name = getattr(node.target, "__name__", None)
@@ -160,9 +174,24 @@ def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
     return name
 
 
+def _rule(node: fx.Node, gm: fx.GraphModule) -> _Rule | None:
+    """The table's rule for `node`, the view rule for an ATen view, or None for an unknown op."""
+    name = op_name(node, gm)
+    if name in _TABLE:
+        return _TABLE[name]
+    aliased = _torch_private.aliased_argument(node.target) if node.op == "call_function" else None
+    return _KEEPS_NOTHING if aliased is not None and not aliased[1] and name is not None else None
+
+
+def keeps_output_only_in_place(name: str) -> bool:
+    """`leaky_relu`, `elu`: in place (`name_`) the op keeps its output for backward, out of place it does not."""
+    inplace, outplace = _TABLE.get(f"{name}_"), _TABLE.get(name)
+    return inplace is not None and outplace is not None and inplace.output and not outplace.output
+
+
 def is_known_op(node: fx.Node, gm: fx.GraphModule) -> bool:
     """The table knows what this call keeps for backward (and so what it computes)."""
-    return op_name(node, gm) in _TABLE
+    return _rule(node, gm) is not None
 
 
 def dropout_training(node: fx.Node) -> bool:
@@ -192,8 +221,7 @@ def saved_for_backward(node: fx.Node, gm: fx.GraphModule) -> SavedForBackward:
     """What autograd keeps for `node`'s backward (see module docstring); placeholders keep nothing."""
     if node.op in ("placeholder", "get_attr", "output"):
         return SavedForBackward(False, (), True)
-    name = op_name(node, gm)
-    rule = _TABLE.get(name) if name is not None else None
+    rule = _rule(node, gm)
     inputs = _tensor_inputs(node)
     if rule is None:
         return SavedForBackward(True, inputs, False)
@@ -217,7 +245,6 @@ def saved_bytes(node: fx.Node, gm: fx.GraphModule) -> int:
     nodes = {n for n in saved.saved_inputs if n.op not in ("placeholder", "get_attr")}
     if saved.saves_output:
         nodes.add(node)
-    name = op_name(node, gm)
-    rule = _TABLE.get(name) if name is not None else None
+    rule = _rule(node, gm)
     extra = rule.extra(node) if rule is not None and rule.extra is not None else 0
     return sum(_bytes_of(n) for n in nodes) + extra

@@ -9,12 +9,16 @@ updates its running statistics. `effects(node, gm)` names every effect a node ma
             `operator.setitem`, augmented assignment on tensors)
   RNG       draws from the random generator (dropout in training, `torch.rand*`, `bernoulli`, ...):
             dropping it shifts every later draw
-  STATS     updates buffers: BatchNorm / InstanceNorm in training with running statistics
+  STATS     updates buffers: BatchNorm / InstanceNorm in training with running statistics (in every
+            form: `aten.batch_norm`'s schema does not say it writes them)
   IO        is seen from outside: `print`, asserts and checks (`torch._assert`, fx's `_assert_is_none`
             guarding a traced-away argument, `torch._check*`), hooks on the module, ops torch
             marks effectful
   OPAQUE    runs code we cannot see: modules outside torch.nn, user functions, overridden forwards
 
+An ATen op's effects come from its schema (mutable arguments, `nondeterministic_seeded`), except
+where the schema is wrong about it (batch_norm's statistics; dropout with `train=False` draws
+nothing). A grad-mode or autocast region of an exported graph has the effects of its body.
 Anything not recognised is OPAQUE, so a caller that keeps effectful nodes is sound by default.
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 
 from .. import _torch_private
 from ..graph_functions import declared
+from .ops import region_of
 
 MUTATION, RNG, STATS, IO, OPAQUE = "mutation", "rng", "stats", "io", "opaque"
 NO_EFFECTS: frozenset[str] = frozenset()
@@ -58,6 +63,9 @@ _PURE_NAMESPACES = (operator, math)
 # The callable is their first argument: a submodule (get_attr), an importable function name, or a method name.
 WITHOUT_GRAD_WRAPPERS = {"fxopt.passes._frozen_ops.call_without_grad": "callable",
                          "fxopt.passes._frozen_ops.call_method_without_grad": "method"}
+# ATen ops that draw random numbers only when their `train` argument (index) is true.
+_ATEN_DROPOUTS = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2,
+                  "native_dropout": 2}
 _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
                     torch.nn.FeatureAlphaDropout, torch.nn.RReLU)
 
@@ -121,12 +129,7 @@ def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> froz
     if helper is not None:
         return frozenset(kind for kind, flag in ((MUTATION, helper.mutates), (STATS, helper.updates_stats)) if flag)
     if isinstance(fn, _torch_private.op_overload_types()):
-        kinds = {MUTATION} if _torch_private.op_is_mutable(fn) else set()
-        if _torch_private.op_is_random(fn):
-            kinds.add(RNG)
-        if not kinds and _torch_private.fx_is_impure(fn, args, kwargs):
-            kinds.add(IO)
-        return frozenset(kinds)
+        return _aten_effects(fn, args, kwargs)
     if fn in _RANDOM_FUNCTIONS:
         return frozenset({RNG})
     if fn in _IO_FUNCTIONS or name.lstrip("_").startswith(("assert", "check")) \
@@ -150,16 +153,43 @@ def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> froz
     return frozenset(kinds)
 
 
+def _aten_effects(op, args: tuple, kwargs: dict) -> frozenset[str]:
+    name = _torch_private.aten_op_name(op)
+    kinds = {MUTATION} if _torch_private.op_is_mutable(op) else set()
+    if _torch_private.op_is_random(op):
+        train = _ATEN_DROPOUTS.get(name)
+        if train is None or not (len(args) > train and args[train] is False):
+            kinds.add(RNG)
+    if _updates_running_stats(op, args, kwargs):
+        kinds.add(STATS)
+    # torch.fx calls every random op impure; a dropout with train=False was decided above
+    if not kinds and not _torch_private.op_is_random(op) and _torch_private.fx_is_impure(op, args, kwargs):
+        kinds.add(IO)
+    return frozenset(kinds)
+
+
+# Functional norms that update running statistics when they normalise with batch statistics:
+# (position, name, default) of that flag, and (position, name) of running_mean.
+_BATCH_NORM_ARGS = ((5, "training", True), (3, "running_mean"))  # torch / aten: (input, weight, bias, mean, ...)
+_INSTANCE_NORM_ARGS = ((5, "use_input_stats", True), (3, "running_mean"))
+_NORM_ARGS = {
+    F.batch_norm: ((5, "training", False), (1, "running_mean")),  # (input, running_mean, running_var, ...)
+    F.instance_norm: ((5, "use_input_stats", True), (1, "running_mean")),
+    torch.batch_norm: _BATCH_NORM_ARGS, torch.instance_norm: _INSTANCE_NORM_ARGS,
+}
+_ATEN_NORM_ARGS = {"batch_norm": _BATCH_NORM_ARGS, "instance_norm": _INSTANCE_NORM_ARGS}
+
+
 def _updates_running_stats(fn, args: tuple, kwargs: dict) -> bool:
-    """A functional norm that normalises with batch statistics and is given running statistics."""
-    if fn is F.batch_norm:
-        return (_bound_flag(fn, args, kwargs, "training", False) is not False
-                and _bound_flag(fn, args, kwargs, "running_mean", None) is not None)
-    if fn is F.instance_norm:
-        return _bound_flag(fn, args, kwargs, "running_mean", None) is not None
-    if fn is torch.batch_norm:  # (input, weight, bias, running_mean, running_var, training, ...)
-        return not (len(args) > 5 and args[5] is False) and not (len(args) > 3 and args[3] is None)
-    return False
+    """A functional norm that normalises with batch statistics and is given running statistics
+    (a tensor, or a graph node computing one: a `get_attr` buffer)."""
+    spec = _NORM_ARGS.get(fn) or _ATEN_NORM_ARGS.get(_torch_private.aten_op_name(fn))
+    if spec is None:
+        return False
+    (flag_at, flag, default), (mean_at, mean) = spec
+    batch_stats = args[flag_at] if len(args) > flag_at else kwargs.get(flag, default)
+    running_mean = args[mean_at] if len(args) > mean_at else kwargs.get(mean)
+    return batch_stats is not False and running_mean is not None
 
 
 def _method_effects(name: str, kwargs: dict) -> frozenset[str]:
@@ -196,12 +226,22 @@ def _wrapped_effects(kind: str, target, args: tuple, kwargs: dict, gm: fx.GraphM
         return _method_effects(target, kwargs)
     if isinstance(target, fx.Node) and target.op == "get_attr":
         return _module_effects(gm.get_submodule(target.target))
-    return _function_effects(import_by_name(target), args, kwargs, gm)
+    return _function_effects(import_by_name(target) if isinstance(target, str) else target, args, kwargs, gm)
+
+
+def _region_effects(body: fx.GraphModule) -> frozenset[str]:
+    """Effects of a grad-mode / autocast region: those of the nodes of its body."""
+    return frozenset().union(*(effects(n, body) for n in body.graph.nodes))
 
 
 def effects(node: fx.Node, gm: fx.GraphModule) -> frozenset[str]:
     """Every effect `node` may have besides producing its value (see module docstring)."""
     if node.op == "call_function":
+        region = region_of(node, gm)
+        if region is not None:
+            return _region_effects(region.body)
+        if isinstance(node.target, _torch_private.higher_order_op_type()):
+            return frozenset({OPAQUE})  # another higher-order op (cond, checkpoint, ...): its body is unseen
         return _function_effects(node.target, node.args, node.kwargs, gm)
     if node.op == "call_method":
         return _method_effects(node.target, node.kwargs)

@@ -1,44 +1,57 @@
-"""Capture: turn a model into torch.fx graphs, as much of it as can be traced.
+"""Capture: turn a model into torch.fx graphs with `torch.export` (non-strict), as much of it as exports.
 
-`capture(model, example_inputs)` returns a `Capture`: the module to hand back (a GraphModule
-when the whole model traced, else a copy of the module tree whose traceable parts are
-GraphModules), each graph with the example inputs of its placeholders, and the modules that
-stayed opaque, with the reason. The caller's model is never modified: module containers on
-the way to a replaced child are shallow copies; leaf modules and parameters are shared.
+`capture(model, args, kwargs)` exports the whole model first (`exporting.py`). Where export
+refuses (a branch on a tensor's value, code export cannot trace), the model runs once for real
+(state preserved) to record how each child is called, and each child is exported instead, so
+only the part that cannot be exported stays opaque — listed with export's own reason and where
+in the user's code it failed.
 
-The model runs once first (recording each submodule's first call, and naming the module that
-fails if the inputs are rejected). Each module is then traced as called there (`tracer.py`);
-a graph valid only for some calls — fixed flag arguments, the example's shapes, the train/eval
-mode it read — is wrapped in a `SpecializedCall` that runs the original module for any other
-call. A module that cannot be traced stays opaque and its children are captured instead.
+It returns a `Capture`: the module to hand back (the exported whole model, or a copy of the
+module tree with exported children), each graph with the example values of its placeholders,
+and the opaque modules. Every exported graph stands where its module was inside a
+`SpecializedCall`, which runs the original module for a call or a train/eval state the graph
+was not exported for; the whole-model graph is guarded by the result object (`fxopt.guards`,
+from `CapturedGraph.call` and `.training_flags`). The caller's model is never modified: module containers on the way to a
+replaced child are shallow copies; leaf modules and parameters are shared.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 
 import torch
 import torch.fx as fx
 
+from .. import _torch_private
 from ..errors import FxoptError
-from .specialized import Specialization, SpecializedCall, is_specializable, tensor_spec
-from .outputs import output_type_name
+from .call_spec import CallSpec
+from .exporting import export_module
+from .saving import keep_graph_when_pickled
+from .specialized import Specialization, SpecializedCall, describe_assumptions
 from .stand_in import stand_in_for
-from .state import flipped_mode, record_submodule_calls
-from .tracer import OpaqueModule, trace_with_opaque_leaves
+from .state import record_submodule_calls
 
-__all__ = ["Capture", "CapturedGraph", "OpaqueModule", "Specialization", "capture"]
+__all__ = ["Capture", "CapturedGraph", "OpaqueModule", "Specialization", "capture", "check_initialized"]
+
+
+@dataclasses.dataclass
+class OpaqueModule:
+    """A submodule fxopt could not export and runs unchanged (its children may still be captured)."""
+
+    path: str  # qualified name in the caller's model ("" is the model itself)
+    type: str
+    reason: str
 
 
 @dataclasses.dataclass
 class CapturedGraph:
-    """One traced graph: where it sits in the result, and the example values of its placeholders."""
+    """One exported graph: where it sits in the result, and the example values of its placeholders."""
 
     path: str
     gm: fx.GraphModule
-    example_inputs: tuple
-    output_type: str | None = None  # import path of a dict-subclass result fx turned into a dict
+    example_inputs: tuple  # one value per placeholder, in order (tensors and non-tensor constants)
+    call: CallSpec | None = None  # which calls the graph may take (None: a Dynamo graph, no capture assumptions)
+    training_flags: dict[str, bool] = dataclasses.field(default_factory=dict)  # module path -> baked-in flag
 
 
 @dataclasses.dataclass
@@ -53,101 +66,57 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-@dataclasses.dataclass
-class _BoundCall:
-    """A recorded call, split for tracing: placeholder values, fixed flag values, fx's concrete_args."""
-
-    values: tuple  # one value per placeholder, in order
-    fixed: dict  # parameter name -> the non-tensor value the graph is specialized to
-    concrete_args: dict  # the same, keyed the way fx names them ("*args", "**kwargs" for varargs)
-
-
-def _bind_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> _BoundCall | str:
-    """Split a recorded call of `module` (see _BoundCall), or say why it cannot be traced."""
-    bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    bound.apply_defaults()
-    values, fixed, concrete = [], {}, {}
-    for name, value in bound.arguments.items():
-        param = bound.signature.parameters[name]
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            entries = value.values() if isinstance(value, dict) else value
-            if not all(is_specializable(v) for v in entries):
-                return f"takes tensors or objects through *args/**kwargs ({name}={_short(value)})"
-            fixed[name] = value
-            concrete[("*" if param.kind == param.VAR_POSITIONAL else "**") + name] = value
-            continue
-        if not isinstance(value, torch.Tensor):
-            if not is_specializable(value):
-                return f"argument {name!r} is a {type(value).__name__}"
-            fixed[name] = concrete[name] = value
-        values.append(value)
-    return _BoundCall(tuple(values), fixed, concrete)
-
-
-def _short(value) -> str:
-    return f"{{{', '.join(value)}}}" if isinstance(value, dict) else f"{len(value)} values"
-
-
-def _depends_on_training_flag(module: torch.nn.Module, call: _BoundCall, example_call: tuple, gm: fx.GraphModule) -> bool:
-    """Whether tracing baked `self.training` into `gm` (`F.dropout(x, p, self.training)`): the other mode traces differently.
-
-    Such a graph must not run after the caller switches the result to the other mode.
-    """
-    with flipped_mode(module):
-        other = trace_with_opaque_leaves(module, concrete_args=call.concrete_args or None, example_call=example_call)
-    return other.gm is None or other.gm.code != gm.code
-
-
 def _is_torch_leaf(module: torch.nn.Module) -> bool:
     """A torch.nn layer without children (Conv2d, ReLU, ...): alone in a graph there is nothing to optimize."""
-    return fx.Tracer().is_leaf_module(module, "") and not any(True for _ in module.children())
+    return type(module).__module__.startswith("torch.nn.") and not any(True for _ in module.children())
+
+
+def check_initialized(model: torch.nn.Module) -> None:
+    """A lazy module (LazyBatchNorm2d, LazyLinear) has no shapes until its first call: say so, as the reason."""
+    for path, m in model.named_modules():
+        if isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
+            raise FxoptError(f"module {path or '<model>'!r} ({type(m).__name__}) has uninitialized parameters; "
+                             f"run the model once on a batch (which sizes them) before fxopt.optimize")
 
 
 class _Capturer:
-    def __init__(self, model: torch.nn.Module, example_inputs: tuple):
-        self.model = model
-        self.example_inputs = example_inputs
+    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict):
+        self.model, self.args, self.kwargs = model, args, kwargs
         self.graphs: list[CapturedGraph] = []
         self.opaque: list[OpaqueModule] = []
         self.specialized: list[Specialization] = []
-        self.outputs: dict[str, object] = {}
-        self.calls = record_submodule_calls(model, example_inputs, self.outputs)
+        self._calls: dict[str, tuple[tuple, dict]] | None = None
+        self.runs_autograd: set[str] = set()  # modules whose forward calls torch.autograd inside
 
-    def capture_call(self, module, path: str, args: tuple, kwargs: dict) -> torch.nn.Module:
+    @property
+    def calls(self) -> dict[str, tuple[tuple, dict]]:
+        """Each submodule's first call in one real run of the model (made when first needed)."""
+        if self._calls is None:
+            self._calls = record_submodule_calls(self.model, self.args, self.kwargs, self.runs_autograd)
+        return self._calls
+
+    def capture_call(self, module: torch.nn.Module, path: str, args: tuple, kwargs: dict) -> torch.nn.Module:
         """Capture `module` as called with (args, kwargs); return what should stand in its place."""
         if isinstance(module, SpecializedCall):  # an fxopt result optimized again: recapture its graph
-            graph_args, graph_kwargs, _ = module.graph_arguments(args, kwargs)
-            self.specialized.append(Specialization(path, module.describe()))
-            return module.with_graph(self.capture_call(module.graph_module, path, graph_args, graph_kwargs))
-        call = _bind_call(module, args, kwargs)
-        if isinstance(call, str):
-            self.opaque.append(OpaqueModule(path, type(module).__name__, call))
+            return module.with_graph(self.capture_call(module.graph_module, path, args, kwargs))
+        exported = export_module(module, args, kwargs)
+        if isinstance(exported, str):
+            self.calls  # noqa: B018 - the real run names a module that rejects its inputs, and finds autograd calls
+            if path in self.runs_autograd:
+                exported = f"forward computes gradients inside (torch.autograd.grad/backward), which torch.export " \
+                           f"cannot capture; export said: {exported}"
+            self.opaque.append(OpaqueModule(path, type(module).__name__, exported))
             return self.capture_children(module, path)
-        traced = trace_with_opaque_leaves(module, concrete_args=call.concrete_args or None,
-                                          example_call=(args, kwargs))
-        if traced.gm is None:
-            self.opaque.append(dataclasses.replace(traced.opaque[0], path=path))
-            return self.capture_children(module, path)
-        gm = traced.gm
-        mode_bound = _depends_on_training_flag(module, call, (args, kwargs), gm)
+        gm = exported.gm
         stand_in_for(module, gm)
-        self.graphs.append(CapturedGraph(path, gm, call.values, output_type_name(self.outputs.get(path))))
-        for leaf in traced.opaque:
-            self.opaque.append(dataclasses.replace(leaf, path=_join(path, leaf.path)))
-            original = gm.get_submodule(leaf.path)
-            replacement = self.capture_children(original, _join(path, leaf.path))
-            if replacement is not original:
-                parent, _, name = leaf.path.rpartition(".")
-                setattr(gm.get_submodule(parent), name, replacement)
-        specs = {}
-        if traced.shape_specialized:
-            bound = inspect.signature(module.forward).bind(*args, **kwargs)
-            specs = {name: tensor_spec(v) for name, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
-        if call.fixed or specs or mode_bound:
-            guarded = SpecializedCall(gm, module, call.fixed, specs, module.training if mode_bound else None)
-            self.specialized.append(Specialization(path, guarded.describe()))
-            return guarded
-        return gm
+        keep_graph_when_pickled(gm)
+        flags = {p: f for p, f in exported.training_flags.items() if p == "" or _has_submodule(gm, p)}
+        example_values, _ = _torch_private.tree_flatten((tuple(args), {k: kwargs[k] for k in exported.call.keywords}))
+        self.graphs.append(CapturedGraph(path, gm, tuple(example_values), exported.call, flags))
+        if not path:  # the result object guards the whole-model graph (fxopt.guards; the report lists its guards)
+            return gm
+        self.specialized.append(Specialization(path, describe_assumptions(exported.call, flags)))
+        return SpecializedCall(gm, module, exported.call, flags)
 
     def capture_children(self, module: torch.nn.Module, path: str) -> torch.nn.Module:
         """A shallow copy of `module` whose called children are captured (or `module` if none was)."""
@@ -169,12 +138,28 @@ class _Capturer:
         return shell
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple) -> Capture:
+def _has_submodule(gm: torch.nn.Module, path: str) -> bool:
+    try:
+        gm.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Capture:
+    """Export `model` as called with (args, kwargs), falling back to its children (see module docstring)."""
     if not isinstance(model, torch.nn.Module):
         raise FxoptError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    capturer = _Capturer(model, example_inputs)
-    result = capturer.capture_call(model, "", example_inputs, {})
+    check_initialized(model)
+    capturer = _Capturer(model, tuple(args), dict(kwargs or {}))
+    try:
+        result = capturer.capture_call(model, "", capturer.args, capturer.kwargs)
+    except FxoptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug of capture, not of the model: say so
+        raise FxoptError(f"fxopt's capture failed on {type(model).__name__} (an internal error of fxopt, "
+                         f"the model is unchanged): {type(e).__name__}: {e}") from e
     if not capturer.graphs:
         reasons = "; ".join(f"{o.path or '<model>'} ({o.type}): {o.reason}" for o in capturer.opaque[:5])
-        raise FxoptError(f"nothing in {type(model).__name__} could be traced: {reasons}")
+        raise FxoptError(f"nothing in {type(model).__name__} could be captured: {reasons}")
     return Capture(result, capturer.graphs, capturer.opaque, capturer.specialized)

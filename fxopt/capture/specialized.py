@@ -1,24 +1,25 @@
-"""A captured module whose graph is valid only for calls like the one it was traced from.
+"""A captured module whose graph is valid only for calls like the one it was exported from.
 
-Hugging Face blocks are called with flags (`output_hidden_states=False`, `return_dict=True`,
-`attention_mask=None`), and shape-specialized tracing (see `tracer.py`) bakes the example's
-shapes and dtypes into the graph. `SpecializedCall` runs the graph only when a call passes the
-same flag values and tensors of the same shapes and dtypes — and, when tracing baked in a
-`self.training` check, in the same train/eval mode — and otherwise runs the original module,
-so a later call with other flags, shapes or mode is still correct (just not optimized) rather
-than an assertion error or a wrong result.
+`torch.export` specializes a graph to its example call (see `call_spec.py`) and bakes in the
+train/eval flag of every module (`batch_norm(training=...)`, `dropout(train=...)`).
+`SpecializedCall` stands where the module was: it runs the graph when a call matches and the
+module's flags are those of the export, and otherwise runs the original module — warning once
+per reason, never an export guard's `AssertionError`, never a stale graph.
 
 It exposes the graph's parameters, buffers and submodules as its own (the same dicts), so
-`state_dict()` keys and `.to()` behave exactly like the module it stands in for.
+`state_dict()` keys behave exactly like the module it stands in for; `.to()`, `.half()`,
+`.double()` reach the original too, since a call may run it. Attributes it does not have
+(`code`, `graph`) are read from the graph module.
 """
 from __future__ import annotations
 
-import inspect
 import dataclasses
-from typing import Any
+import warnings
 
 import torch
 import torch.fx as fx
+
+from .call_spec import CallSpec
 
 
 @dataclasses.dataclass
@@ -29,29 +30,16 @@ class Specialization:
     assumes: str  # SpecializedCall.describe()
 
 
-def is_specializable(value: Any) -> bool:
-    """A value we can fix at trace time and compare cheaply at call time."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, (tuple, list)):
-        return all(is_specializable(v) for v in value)
-    return False
-
-
-def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
-
-
-def tensor_spec(value: torch.Tensor) -> tuple:
-    """What a shape-specialized graph assumes about one tensor argument."""
-    return tuple(value.shape), value.dtype
+def describe_assumptions(call: CallSpec, training_flags: dict[str, bool]) -> str:
+    """What a graph assumes, e.g. `x: (s0, 3, 32, 32) float32; s0 >= 2; eval mode`."""
+    return f"{call.describe()}; {'training' if training_flags.get('') else 'eval'} mode"
 
 
 class SpecializedCall(torch.nn.Module):
-    """Run `graph_module` if the call matches what it was traced for, else `original` (see module docstring)."""
+    """Run `graph_module` if the call and flags match its export, else `original` (see module docstring)."""
 
-    def __init__(self, graph_module: fx.GraphModule, original: torch.nn.Module, specialized: dict[str, Any],
-                 tensor_specs: dict[str, tuple] | None = None, traced_training: bool | None = None):
+    def __init__(self, graph_module: fx.GraphModule, original: torch.nn.Module, call: CallSpec,
+                 training_flags: dict[str, bool]):
         super().__init__()
         # Share (not copy) the graph's state so keys and devices stay those of the original module.
         self.__dict__.update(_parameters=graph_module._parameters, _buffers=graph_module._buffers,
@@ -60,43 +48,61 @@ class SpecializedCall(torch.nn.Module):
         # Held outside the module tree so state_dict() does not list anything twice.
         self.__dict__["graph_module"] = graph_module
         self.__dict__["original"] = original
-        self.__dict__["_signature"] = inspect.signature(original.forward)
-        self.specialized = specialized
-        self.tensor_specs = tensor_specs or {}
-        self.traced_training = traced_training  # the mode baked into the graph, None if it has none
-        self.training = original.training
+        self.call = call
+        self.training_flags = training_flags  # module path -> flag the graph computes with
+        self.warned: set[str] = set()
+        self.training = training_flags.get("", original.training)
 
-    def matches(self, arguments: dict[str, Any]) -> bool:
-        """Whether a call with these bound arguments, in the current mode, is one the graph was traced for."""
-        if self.traced_training is not None and self.training != self.traced_training:
-            return False
-        if not all(_same(arguments[name], value) for name, value in self.specialized.items()):
-            return False
-        return all(isinstance(arguments[name], torch.Tensor) and tensor_spec(arguments[name]) == spec
-                   for name, spec in self.tensor_specs.items())
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or "graph_module" not in self.__dict__:  # copy/pickle protocols; unpickling
+                raise
+            return getattr(self.__dict__["graph_module"], name)
+
+    def mismatch(self, args: tuple, kwargs: dict) -> str | None:
+        """None if the graph may answer this call now, else which assumption fails."""
+        for path, flag in self.training_flags.items():
+            module = _submodule_or_none(self, path)
+            if module is not None and module.training != flag:  # a pass may have removed the module (folded BN)
+                return f"{path or 'the model'} is in {'training' if module.training else 'eval'} mode, " \
+                       f"the graph was exported in {'training' if flag else 'eval'} mode"
+        return self.call.mismatch(args, kwargs)
 
     def describe(self) -> str:
-        """What the graph assumes about a call, e.g. `x: (2, 3, 32, 32) float32; return_dict=None; eval mode`."""
-        parts = [f"{name}: {shape} {str(dtype).removeprefix('torch.')}" for name, (shape, dtype) in self.tensor_specs.items()]
-        parts += [f"{name}={value!r}" for name, value in self.specialized.items()]
-        if self.traced_training is not None:
-            parts.append("training mode" if self.traced_training else "eval mode")
-        return "; ".join(parts)
-
-    def graph_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
-        """(args, kwargs) for the graph from a call of the original's signature, and whether the graph may take it."""
-        bound = self._signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return bound.args, bound.kwargs, self.matches(bound.arguments)
+        return describe_assumptions(self.call, self.training_flags)
 
     def with_graph(self, graph_module: torch.nn.Module) -> SpecializedCall:
-        """The same guards around another graph (the same graph, optimized again)."""
-        return SpecializedCall(graph_module, self.original, self.specialized, self.tensor_specs, self.traced_training)
+        """The same assumptions around another graph (the same graph, optimized again)."""
+        return SpecializedCall(graph_module, self.original, self.call, self.training_flags)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.original._apply(fn, recurse)  # parameters are shared: converting twice is a no-op
+        return self
 
     def forward(self, *args, **kwargs):
-        graph_args, graph_kwargs, matches = self.graph_arguments(args, kwargs)
-        if matches:
-            return self.graph_module(*graph_args, **graph_kwargs)
-        if self.original.training != self.training:  # the caller switched the result's mode: do what
-            self.original.train(self.training)       # the same switch would have done to the original
+        reason = self.mismatch(args, kwargs)
+        if reason is None:
+            return self.graph_module(*args, **kwargs)
+        if reason not in self.warned:
+            self.warned.add(reason)
+            warnings.warn(f"fxopt: running the original {type(self.original).__name__} (not optimized): {reason}",
+                          stacklevel=2)
+        _copy_flags(self, self.original)
         return self.original(*args, **kwargs)
+
+
+def _submodule_or_none(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _copy_flags(stand_in: torch.nn.Module, original: torch.nn.Module) -> None:
+    """Give `original` the train/eval flags the caller set on the stand-in (where the stand-in has the module)."""
+    for path, module in original.named_modules():
+        counterpart = _submodule_or_none(stand_in, path)  # a module without state has none in the graph
+        module.training = (counterpart or stand_in).training

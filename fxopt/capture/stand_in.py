@@ -20,6 +20,7 @@ def stand_in_for(original: torch.nn.Module, gm: fx.GraphModule) -> None:
     _match_order(original, gm)
     _match_persistence(original, gm)
     _keep_plain_attributes(original, gm)
+    _match_training_flags(original, gm)
 
 
 def _carry_unused_state(root: torch.nn.Module, gm: fx.GraphModule) -> None:
@@ -76,3 +77,14 @@ def _keep_plain_attributes(original: torch.nn.Module, gm: fx.GraphModule) -> Non
     attributes = {name: value for name, value in vars(original).items()
                   if not name.startswith("_") and name != "training" and not hasattr(gm, name)}
     _torch_private.preserve_graph_module_attributes(gm, attributes)
+
+
+def _match_training_flags(original: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """Give each module of `gm` the train/eval flag of the module at the same path in `original`.
+
+    Export rebuilds the module tree out of plain `nn.Module` containers, all in training mode.
+    """
+    modules = dict(original.named_modules())
+    for path, module in gm.named_modules():
+        if path in modules:
+            module.training = modules[path].training

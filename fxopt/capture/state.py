@@ -1,52 +1,89 @@
-"""Run a model for information without leaving a trace: buffers and RNG come back as they were."""
+"""Run a model for information without leaving a trace on it or on its inputs.
+
+Capture runs the model (export runs its Python `forward` on fake tensors, and the fallback runs
+it once for real to record each child's call). A `forward` may write anything it can reach:
+buffers (`self.count += 1`), parameters (`self.ema.mul_(0.9)` under no_grad), plain tensor
+attributes (`self.t.add_(1)` — export runs such writes on the real tensor), its inputs
+(`x.mul_(2)`), or rebind an attribute (`self.t = self.t + 1`). `preserved_state` snapshots all
+of them, and the RNG, and puts every one back on exit.
+"""
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
+from .. import _torch_private
 from ..errors import FxoptError
 
 
+class _Snapshot:
+    """Every tensor a forward can reach through `module` or `inputs`, with a copy of its value and its version."""
+
+    def __init__(self, module: torch.nn.Module, inputs, parameters: bool):
+        self.slots = []  # (owner dict, key, tensor object, saved value, version)
+        for m in module.modules():
+            for slots in (m._parameters, m._buffers, m.__dict__) if parameters else (m._buffers, m.__dict__):
+                for key, value in list(slots.items()):
+                    if isinstance(value, torch.Tensor) and not _is_lazy(value):
+                        self.slots.append((slots, key, value, *_saved(value)))
+        self.inputs = [(x, *_saved(x)) for x in _tensors(inputs)]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for slots, key, tensor, saved, version in self.slots:
+                slots[key] = tensor  # a forward may have rebound the attribute
+                _put_back(tensor, saved, version)
+            for tensor, saved, version in self.inputs:
+                _put_back(tensor, saved, version)
+
+
+def _saved(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return t.detach().clone(), _torch_private.tensor_version(t)
+
+
+def _is_lazy(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    return [v for v in _torch_private.tree_leaves(values) if isinstance(v, torch.Tensor)]
+
+
+def _put_back(tensor: torch.Tensor, saved: torch.Tensor, version: int) -> None:
+    """Write `saved` back into `tensor` if something wrote it in place (its version moved on)."""
+    if _torch_private.tensor_version(tensor) != version and tensor.shape == saved.shape:  # expanded: not writable
+        tensor.copy_(saved)
+
+
 @contextlib.contextmanager
-def preserved_state(module: torch.nn.Module):
-    """Snapshot buffers (BatchNorm running stats) and the CPU/CUDA RNG, restore them on exit."""
-    saved = {name: b.detach().clone() for name, b in module.named_buffers()}
+def preserved_state(module: torch.nn.Module, inputs=(), parameters: bool = True):
+    """Snapshot what a forward of `module` on `inputs` may change, and the CPU/CUDA RNG; restore on exit.
+
+    `parameters=False` leaves parameters out (copying them is most of the cost): for runs that
+    cannot write them, such as torch.export's, which turns writes to parameters into graph ops.
+    """
+    snapshot = _Snapshot(module, inputs, parameters)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:
-            for name, b in module.named_buffers():
-                if name in saved and not torch.equal(b, saved[name]):  # expanded buffers cannot be written
-                    b.copy_(saved[name])
-
-
-@contextlib.contextmanager
-def flipped_mode(module: torch.nn.Module):
-    """Run with `module.train(not module.training)`; every module's own flag is restored on exit."""
-    flags = [(m, m.training) for m in module.modules()]
-    module.train(not module.training)
-    try:
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
+            snapshot.restore()
 
 
 def _describe_values(values) -> str:
     """`(2, 3, 32, 32) float32` for each tensor among `values`, for error messages."""
-    from ..pipeline.verify import flatten_tensors
-
-    shapes = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in flatten_tensors(list(values))]
+    shapes = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in _tensors(list(values))]
     return ", ".join(shapes) or "no tensors"
 
 
-def record_submodule_calls(model: torch.nn.Module, example_inputs: tuple,
-                           outputs: dict[str, object] | None = None) -> dict[str, tuple[tuple, dict]]:
-    """Run `model` once and return, for each submodule path, the (args, kwargs) of its first call.
+def record_submodule_calls(model: torch.nn.Module, args: tuple, kwargs: dict,
+                           runs_autograd: set[str] | None = None) -> dict[str, tuple[tuple, dict]]:
+    """Run `model` once (state preserved) and return, for each submodule path, the (args, kwargs) of its first call.
 
-    With `outputs`, also fill it with each submodule path's first result.
+    With `runs_autograd`, also add to it every module running when the forward called
+    `torch.autograd.grad` or `backward` (export cannot capture those).
 
     If the model rejects the inputs, raise FxoptError naming the innermost module that was
     running and the shapes it was given (the stack of modules is tracked with hooks).
@@ -55,26 +92,28 @@ def record_submodule_calls(model: torch.nn.Module, example_inputs: tuple,
     stack: list[tuple[str, torch.nn.Module, tuple, dict]] = []
     handles = []
     for path, sub in model.named_modules():
-        def enter(mod, args, kwargs, path=path):
-            calls.setdefault(path, (args, kwargs))
-            stack.append((path, mod, args, kwargs))
+        def enter(mod, call_args, call_kwargs, path=path):
+            calls.setdefault(path, (call_args, call_kwargs))
+            stack.append((path, mod, call_args, call_kwargs))
 
-        def leave(mod, args, output, path=path):
+        def leave(mod, call_args, output):  # returns None: the output is unchanged
             stack.pop()
-            if outputs is not None:
-                outputs.setdefault(path, output)
 
         handles.append(sub.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(sub.register_forward_hook(leave))
+    def note_autograd() -> None:
+        if runs_autograd is not None:
+            runs_autograd.update(path for path, *_ in stack)
+
     try:
-        with preserved_state(model):
-            model(*example_inputs)
+        with preserved_state(model, (args, kwargs)), _torch_private.noting_autograd_runs(note_autograd):
+            model(*args, **kwargs)
     except Exception as e:
-        path, mod, args, kwargs = stack[-1] if stack else ("", model, example_inputs, {})
+        path, mod, call_args, call_kwargs = stack[-1] if stack else ("", model, args, kwargs)
         where = f"module {path!r} ({type(mod).__name__})" if path else f"the model ({type(mod).__name__})"
         raise FxoptError(f"{type(model).__name__} rejected the example inputs "
-                         f"[{_describe_values(example_inputs)}]: {where} failed on inputs "
-                         f"[{_describe_values([*args, *kwargs.values()])}]: {type(e).__name__}: {e}") from e
+                         f"[{_describe_values([*args, *kwargs.values()])}]: {where} failed on inputs "
+                         f"[{_describe_values([*call_args, *call_kwargs.values()])}]: {type(e).__name__}: {e}") from e
     finally:
         for h in handles:
             h.remove()

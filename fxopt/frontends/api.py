@@ -1,21 +1,23 @@
-"""`fxopt.optimize`: capture a model, run the pipeline, return the optimized module with its report."""
+"""`fxopt.optimize`: capture a model, run the pipeline, return the guarded optimized model with its report."""
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
 
 from ..analysis.shapes import propagate_shapes
-from ..capture import capture
-from ..capture.outputs import restore_output_type
+from ..capture import capture, check_initialized
+from ..capture.saving import keep_graph_when_pickled
 from ..errors import FxoptError
+from ..guards import CALL, TRAIN_MODE, Guard, GuardSet, model_state_guards
+from ..model_copy import independent_copy
 from ..passes import PASSES
-from ..passes.base import PassContext
+from ..passes.base import INFERENCE, TRAINING, PassContext
 from ..pipeline.instruments import Instrument
 from ..pipeline.manager import PassManager
 from ..pipeline.pipelines import build_pipeline, resolve_mode
 from ..pipeline.verify import Verifier
+from .result import OptimizedModule, Variant
 
 
 def normalize_inputs(example_inputs) -> tuple:
@@ -41,16 +43,8 @@ def _check_pass_names(passes) -> None:
                          f"available passes: {', '.join(PASSES)}")
 
 
-def _independent_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy for an inference result, or the model itself if it cannot be copied."""
-    try:
-        return copy.deepcopy(model)
-    except Exception:  # noqa: BLE001 - e.g. a module holding a file handle: share, as in training
-        return model
-
-
 def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", passes: Sequence[str] | None = None,
-             verify: bool = False, instruments: Sequence[Instrument] = (), **pass_options) -> torch.nn.Module:
+             verify: bool = False, instruments: Sequence[Instrument] = (), **pass_options) -> OptimizedModule:
     """Optimize `model` for `example_inputs`; the result carries `.fxopt_report`.
 
     mode: "inference", "training", or "auto" (training if `model.training`).
@@ -60,30 +54,71 @@ def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", pass
     instruments: observers of the pipeline (fxopt.pipeline.instruments).
     pass_options: options for the selected passes, e.g. memory_budget=0.5.
 
-    In inference the result owns a copy of the model's modules, so `.to()`, `.half()` or
-    `.train()` on it leave the caller's model alone; in training it shares them (and so the
-    parameters an optimizer updates).
+    The result is an `OptimizedModule` (fxopt/frontends/result.py) standing for the model: in
+    inference for a private copy of it, so `.to()`, `.half()` or `.train()` on the result leave
+    the caller's model alone; in training for the model itself (its parameters, which an
+    optimizer updates). Every call checks the facts the optimization relied on (guards) and,
+    when one changed, optimizes again for the new state or runs the model as written.
     """
     if not isinstance(model, torch.nn.Module):
         raise FxoptError(f"expected a torch.nn.Module, got {type(model).__name__}")
     example_inputs = normalize_inputs(example_inputs)
     _check_pass_names(passes)
     mode = resolve_mode(mode, model.training)
-    pipeline = build_pipeline(mode, passes, pass_options)
-    captured = capture(_independent_copy(model) if mode == "inference" else model, example_inputs)
+    settings = {"mode": mode, "passes": passes, "pass_options": dict(pass_options)}
+    build_pipeline(mode, passes, pass_options)  # bad options fail here, before any copy or capture
+    if isinstance(model, OptimizedModule):  # optimized again: its current variant is the model to capture
+        model = model.graph_module
+    check_initialized(model)  # a lazy module cannot be copied: say why, not that deepcopy failed
+    source = independent_copy(model) if mode == INFERENCE else model
+    first = build_variant(source, example_inputs, {}, settings, verify=verify, instruments=instruments)
+    return OptimizedModule(source, first, build_variant, settings)
+
+
+def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: dict, *, verify: bool = False,
+                  instruments: Sequence[Instrument] = ()) -> Variant:
+    """Capture `source` as it is now, run the pipeline, and collect the guards the result relies on.
+
+    Also how a result optimizes itself again when its model's state changed.
+    """
+    mode = settings["mode"]
+    pass_options = settings["pass_options"]
+    pipeline = build_pipeline(mode, settings["passes"], pass_options)
+    if verify:
+        # Capture alone must compute what the model does: a difference there is capture's, not a pass's.
+        verifier = Verifier(source, args, training=mode == TRAINING, differentiable=pass_options.get("differentiable_outputs"))
+    captured = capture(source, args, kwargs)
     for g in captured.graphs:
         propagate_shapes(g.gm, g.example_inputs)
-    verifier = Verifier(model, example_inputs, training=mode == "training",
-                        differentiable=pass_options.get("differentiable_outputs")) if verify else None
+    if verify:
+        verifier.check(captured.module, "capture")
     ctx = PassContext(mode, dict(pass_options))
-    report = PassManager(pipeline, instruments, verifier).run(captured.module, captured.graphs, ctx)
+    report = PassManager(pipeline, instruments, verifier if verify else None).run(captured.module, captured.graphs, ctx)
     report.opaque = captured.opaque
     report.specialized = captured.specialized
+    keep_graph_when_pickled(captured.module)  # also the GraphModules passes added
+    guards = GuardSet(ctx.guards)
+    guards.extend(_capture_guards(captured))
+    guards.extend(model_state_guards(source, "fxopt.optimize", values=mode == INFERENCE))
+    untrue = guards.bind(source).untrue_now()
+    if untrue:  # not facts about this model (a target it does not have): checking them would always fail
+        guards = GuardSet(g for g in guards if g not in untrue)
+        for g in untrue:
+            report.guard_events[f"{g.owner} recorded {g.describe()!r}, not true of the model: not checked"] += 1
+    return Variant(captured.module, guards, report)
+
+
+def _capture_guards(captured) -> list[Guard]:
+    """What capture relied on: the call the whole-model graph was exported for, the modes it baked in."""
+    guards = []
     for g in captured.graphs:
-        restore_output_type(g.gm, g.output_type)
-    result = captured.module
-    result.fxopt_report = report
-    return result
+        if g.path == "" and getattr(g, "call", None) is not None:
+            guards.append(Guard(CALL, "", g.call, "capture", "torch.export specialized the graph to calls like the example"))
+        for path, flag in getattr(g, "training_flags", {}).items():
+            target = f"{g.path}.{path}" if g.path and path else (g.path or path)
+            guards.append(Guard(TRAIN_MODE, target, flag, "capture",
+                                "torch.export baked this mode into batch_norm(training=) / dropout(train=)"))
+    return guards
 
 
 def available_passes() -> list[str]:

@@ -22,13 +22,16 @@ Per pass on this path:
 Hand-off (`inner`):
   "inductor"   Inductor's compile_fx. In inference, parameter inputs become constants of the
                graph (Inductor freezing: the fold is constant-folded, weights pre-packed), and
-               every call checks that each parameter input is the same tensor at the same
-               version; if one was replaced or changed in place, the graph falls back, for
-               good, to a non-frozen compile in which the fold is recomputed per call.
-               `freeze=False` compiles non-frozen from the start.
-  "aot_eager"  AOTAutograd with Inductor's decompositions and min-cut partitioner, no code
-               generation (debugging; without the decompositions a train-mode BatchNorm under
-               a memory budget fails in backward, as with torch's own aot_eager).
+               every call checks that each parameter input is the same tensor, with the same
+               storage (`p.data = t` replaces it) at the same version (in-place writes bump it);
+               if one changed, the graph falls back, for good, to a non-frozen compile in which
+               the fold is recomputed per call. Not detected: a write through `p.data`
+               (`p.data.mul_(2)`), which bumps no version counter — Inductor's own freezing has
+               the same blind spot. `freeze=False` compiles non-frozen from the start.
+  "aot_eager"  AOTAutograd with Inductor's decompositions (except those of random ops, so dropout
+               draws the same numbers as eager and torch's own aot_eager) and min-cut partitioner,
+               no code generation (debugging; without the decompositions a train-mode BatchNorm
+               under a memory budget fails in backward, as with torch's own aot_eager).
   "eager"      the optimized fx graph as is (debugging).
 
 Options: passes (None: the default pipeline of the mode), memory_budget (a fraction; training
@@ -224,10 +227,12 @@ def _deliver(report: Report, target, on_report) -> None:
 class FrozenInference:
     """Inductor with the parameter inputs frozen into constants, guarded against parameter changes.
 
-    Each call checks that every parameter input is the tensor seen at compile time, at the same
-    `_version` (bumped by every in-place change: optimizer steps, `copy_`, `load_state_dict`).
-    On a mismatch the frozen code is never used again: the optimized graph is compiled without
-    freezing (the fold then runs on the current parameters each call) and a warning says so.
+    Each call checks that every parameter input is the tensor seen at compile time, with the same
+    storage (`p.data = t` swaps it without touching the version) at the same `_version` (bumped by
+    every in-place change: optimizer steps, `copy_`, `load_state_dict`). On a mismatch the frozen
+    code is never used again: the optimized graph is compiled without freezing (the fold then runs
+    on the current parameters each call) and a warning says so. A write through `p.data`
+    (`p.data.mul_(2)`) changes neither and is not detected, as with Inductor's own freezing.
     """
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str]):
@@ -235,7 +240,7 @@ class FrozenInference:
         self.constant_positions = [i for i, n in enumerate(placeholders) if n.name in constant_inputs]
         self.runtime_positions = [i for i, n in enumerate(placeholders) if n.name not in constant_inputs]
         self.constants = [example_inputs[i] for i in self.constant_positions]
-        self.versions = _torch_private.tensor_versions(self.constants)
+        self.state = _frozen_state(self.constants)
         self.unfrozen_graph = _copy_graph_module(gm)
         frozen_gm = _constants_as_attributes(gm, self.constant_positions, example_inputs)
         with torch.no_grad():
@@ -246,16 +251,20 @@ class FrozenInference:
     def __call__(self, *args):
         if self.unfrozen is None:
             constants = [args[i] for i in self.constant_positions]
-            if all(a is c for a, c in zip(constants, self.constants)) and \
-                    _torch_private.tensor_versions(constants) == self.versions:
+            if all(a is c for a, c in zip(constants, self.constants)) and _frozen_state(constants) == self.state:
                 out = self.frozen(*[args[i] for i in self.runtime_positions])
-                self.versions = _torch_private.tensor_versions(constants)  # the graph's own buffer updates are fine
+                self.state = _frozen_state(constants)  # the graph's own buffer updates are fine
                 return out
             warnings.warn("fxopt: a parameter changed after torch.compile froze it; this graph now runs a "
                           "non-frozen compile that recomputes the folded weights on every call", stacklevel=2)
             self.unfrozen = _torch_private.inductor_compile(self.unfrozen_graph, list(args))
             self.frozen = None
         return self.unfrozen(*args)
+
+
+def _frozen_state(tensors: list) -> tuple[list[int], list[int]]:
+    """What a frozen constant must keep: its version counter and where its data lives."""
+    return _torch_private.tensor_versions(tensors), [t.data_ptr() for t in tensors]
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -4,10 +4,13 @@
 `CheckpointedRegion(body)`, registered on `gm` as submodule `name`, and calls it in their
 place. The region runs under non-reentrant `torch.utils.checkpoint.checkpoint`, which keeps
 only the region's inputs (and restores the RNG state before recomputing, so dropout draws the
-same mask). A train-mode BatchNorm module inside runs as `batch_norm_once`: the module on the
-first run, and on recomputation the same batch-statistics normalisation without updating the
-running statistics, so they move once per step, as without checkpointing. With `save_counted`, a selective checkpoint policy also keeps the outputs of the
-ops FlopCounterMode counts (matmuls, convolutions, attention) and recomputes only the rest.
+same mask). Every BatchNorm inside (an nn.BatchNorm1d/2d/3d module in either mode, `F.batch_norm`,
+`aten.batch_norm`) runs as `batch_norm_module_once` / `batch_norm_once`: as written on the
+region's first run, and on a recomputation in train mode the same aten op on throwaway copies of
+the running statistics, so they move once per step, as without checkpointing, and checkpoint sees
+the same ops and saved tensors on both runs. With `save_counted`, a selective checkpoint policy
+also keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and
+recomputes only the rest.
 
 The body's modules and tensors are the parent graph's own (not registered a second time), so
 `state_dict()` keeps the original keys. Before / after::
@@ -18,6 +21,7 @@ The body's modules and tensors are the parent graph's own (not registered a seco
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
@@ -25,6 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..analysis.flops import is_counted_op
@@ -35,44 +40,78 @@ def _save_counted_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if is_counted_op(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-TRAIN_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+BATCH_NORM_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+BATCH_NORM_FUNCTIONS = (F.batch_norm, torch.batch_norm, torch.ops.aten.batch_norm.default)
+
+
+@dataclasses.dataclass
+class RegionRun:
+    """One run of a region body: the forward (`first`) or a recomputation. `scratch` lives across the
+    runs of one call: per running statistic, a throwaway copy the recomputation updates instead."""
+
+    first: bool
+    scratch: dict
+
+
+def _statistics_this_run_updates(running_mean, running_var, run: RegionRun) -> tuple:
+    """The real running statistics on the first run, throwaway copies of them on a recomputation.
+
+    A recomputation must issue the same aten op on tensors of the same shapes (checkpoint checks that
+    it saves the same tensors, and a selective region that it replays the same ops), so it updates
+    copies; they are made on the first run, as an op no recomputation has to replay.
+    """
+    if run.first:
+        run.scratch[id(running_mean)] = (running_mean.clone(), running_var.clone())
+        return running_mean, running_var
+    return run.scratch[id(running_mean)]
 
 
 @graph_function(updates_stats=True)
-def batch_norm_once(x: torch.Tensor, bn: torch.nn.Module, first_run: bool) -> torch.Tensor:
-    """A train-mode BatchNorm: the module itself on the region's first run; when the region is
-    recomputed, the same normalisation by batch statistics without touching the running ones."""
-    if first_run or bn.running_mean is None:
+def batch_norm_module_once(x: torch.Tensor, bn: torch.nn.Module, run: RegionRun) -> torch.Tensor:
+    """An nn.BatchNorm1d/2d/3d in a region: the module itself on the first run and whenever it is in eval
+    mode; a recomputation in train mode normalises by batch statistics without touching the running ones.
+
+    The mode is read when the region runs, so a BN frozen at optimize time and unfrozen later (or the
+    other way round) still updates its statistics once per step."""
+    if not bn.training or bn.running_mean is None:
         return bn(x)
-    # Throwaway copies take the update; autograd saves the same tensors as on the first run
-    # (checkpoint checks that), and backward reads only the batch statistics.
-    return F.batch_norm(x, bn.running_mean.clone(), bn.running_var.clone(), bn.weight, bn.bias, True,
-                        bn.momentum or 0.0, bn.eps)
+    mean, var = _statistics_this_run_updates(bn.running_mean, bn.running_var, run)
+    if run.first:
+        return bn(x)
+    return F.batch_norm(x, mean, var, bn.weight, bn.bias, True, 0.0, bn.eps)
 
 
-batch_norm_once.fxopt_op_name = "batch_norm"
+@graph_function(updates_stats=True)
+def batch_norm_once(x, running_mean, running_var, weight, bias, training, momentum, eps, run: RegionRun):
+    """`F.batch_norm` / `aten.batch_norm` in a region, running statistics updated on the first run only."""
+    if training and running_mean is not None:
+        running_mean, running_var = _statistics_this_run_updates(running_mean, running_var, run)
+    return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+batch_norm_module_once.fxopt_op_name = batch_norm_once.fxopt_op_name = "batch_norm"
 
 
 class CheckpointedRegion(torch.nn.Module):
     """Runs `body` under non-reentrant checkpoint; selective (matmul/conv/attention outputs kept) if `save_counted`.
 
-    A body that runs train-mode BatchNorm takes a first argument saying whether this is the
+    A body that runs BatchNorm takes a first argument, the `RegionRun` saying whether this is the
     first run (the forward) or a recomputation, so running statistics are updated once.
     """
 
-    def __init__(self, body: fx.GraphModule, save_counted: bool, takes_first_run: bool):
+    def __init__(self, body: fx.GraphModule, save_counted: bool, takes_run: bool):
         super().__init__()
         # Held outside the module tree: its modules and tensors are the parent graph's own, so
         # state_dict() and parameters() list nothing twice.
         self.__dict__["body"] = body
         self.save_counted = save_counted
-        self.takes_first_run = takes_first_run
+        self.takes_run = takes_run
 
     def forward(self, *args):
         run = self.body
-        if self.takes_first_run:
-            runs = itertools.count()
-            run = lambda *inputs: self.body(next(runs) == 0, *inputs)  # noqa: E731 - True on the first run only
+        if self.takes_run:
+            runs, scratch = itertools.count(), {}
+            run = lambda *inputs: self.body(RegionRun(next(runs) == 0, scratch), *inputs)  # noqa: E731
 
         if not self.save_counted:
             return checkpoint(run, *args, use_reentrant=False)
@@ -84,20 +123,56 @@ class CheckpointedRegion(torch.nn.Module):
         return f"{kind}\n{self.body.code.strip()}"
 
 
-def is_train_batch_norm_module(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """An nn.BatchNorm1d/2d/3d call (exactly those types) in train mode, called on one input."""
+def batch_norm_module(node: fx.Node, gm: fx.GraphModule) -> torch.nn.Module | None:
+    """The nn.BatchNorm1d/2d/3d (exactly those types, any mode) `node` calls on one input, or None."""
     if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
-        return False
+        return None
     module = gm.get_submodule(node.target)
-    return type(module) in TRAIN_BATCH_NORMS and module.training
+    return module if type(module) in BATCH_NORM_MODULES else None
+
+
+def functional_batch_norm_args(node: fx.Node) -> dict | None:
+    """The arguments by name of an `F.batch_norm` / `torch.batch_norm` / `aten.batch_norm` call, or None."""
+    if node.op != "call_function" or node.target not in BATCH_NORM_FUNCTIONS:
+        return None
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    return None if normalized is None else normalized.kwargs
+
+
+def can_recompute_batch_norm(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """A BatchNorm call a region can hold with its running statistics updated once per step."""
+    return batch_norm_module(node, gm) is not None or functional_batch_norm_args(node) is not None
+
+
+def _batch_norm_once_call(body: fx.Graph, node: fx.Node, gm: fx.GraphModule, env: dict, run: fx.Node) -> fx.Node:
+    """The body's call of `node` (a BatchNorm, see can_recompute_batch_norm) as batch_norm(_module)_once."""
+    if batch_norm_module(node, gm) is not None:
+        return body.call_function(batch_norm_module_once, (env[node.args[0]], body.get_attr(node.target), run))
+    a = {k: env[v] if isinstance(v, fx.Node) else v for k, v in functional_batch_norm_args(node).items()}
+    return body.call_function(batch_norm_once, (a["input"], a.get("running_mean"), a.get("running_var"),
+                                                a.get("weight"), a.get("bias"), a.get("training", False),
+                                                a.get("momentum", 0.1), a.get("eps", 1e-5), run))
+
+
+def is_lone_state_update(node: fx.Node) -> bool:
+    """An in-place update of buffers nothing else in the graph touches, read by nobody
+    (`aten.add_(num_batches_tracked, 1)` in an exported graph): it may run before the region around it."""
+    return (node.op == "call_function" and not node.users and bool(node.all_input_nodes)
+            and all(a.op == "get_attr" and set(a.users) == {node} for a in node.all_input_nodes))
 
 
 def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_counted: bool) -> fx.Node:
-    """Replace `nodes` (contiguous in graph order) with one call of a CheckpointedRegion; return that call."""
+    """Replace `nodes` (contiguous in graph order) with one call of a CheckpointedRegion; return that call.
+
+    Lone state updates among them (is_lone_state_update) move in front of the call, run once."""
+    updates = [n for n in nodes if is_lone_state_update(n)]
+    nodes = [n for n in nodes if n not in updates]
+    for update in updates:
+        nodes[0].prepend(update)
     members = set(nodes)
     body = fx.Graph()
-    batch_norms = [n for n in nodes if is_train_batch_norm_module(n, gm)]
-    first_run = body.placeholder("first_run") if batch_norms else None
+    batch_norms = {n for n in nodes if can_recompute_batch_norm(n, gm)}
+    run = body.placeholder("run") if batch_norms else None
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[fx.Node] = []
     for node in nodes:
@@ -111,7 +186,7 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
                 env[arg] = body.placeholder(arg.name)
             env[arg].meta.update(arg.meta)
         if node in batch_norms:
-            env[node] = body.call_function(batch_norm_once, (env[node.args[0]], body.get_attr(node.target), first_run))
+            env[node] = _batch_norm_once_call(body, node, gm, env, run)
             env[node].meta.update(node.meta)
         else:
             env[node] = body.node_copy(node, lambda a: env[a])

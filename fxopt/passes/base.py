@@ -11,9 +11,23 @@ from typing import Any, ClassVar
 
 import torch.fx as fx
 
+from ..capture.naming import module_path
+from ..guards import GuardSet
+
 INFERENCE = "inference"
 TRAINING = "training"
 MODES = (INFERENCE, TRAINING)
+
+
+def site_name(node: fx.Node) -> str:
+    """How a report names a node: the path of the module that computed it (`layer1.0.bn1`, from
+    torch.export's `nn_module_stack`), or the node's own name for code of the model itself."""
+    return module_path(node) or node.name
+
+
+def model_name(ctx: "PassContext", name: str) -> str:
+    """A module path or parameter name of the graph being rewritten, as the caller's model names it."""
+    return ".".join(part for part in (ctx.graph_path, name) if part)
 
 
 @dataclasses.dataclass
@@ -63,6 +77,7 @@ class PassContext:
     constant_inputs: frozenset[str] = frozenset()
     frontend: str = "api"  # "api" (eager result) or "backend" (handed on to torch.compile)
     graph_path: str | None = None  # where the graph being rewritten sits: "" the whole model, None unknown
+    guards: GuardSet = dataclasses.field(default_factory=GuardSet)  # facts passes rely on (fxopt.guards)
 
 
 class Pass:

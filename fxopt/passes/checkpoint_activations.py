@@ -20,20 +20,30 @@ that only counts bytes saved at the end of forward misses. Recomputation is pric
 pointwise ops and normalisation are recomputed before a matmul or conv ever is. An exact
 dynamic program over region boundaries and both region kinds returns the cheapest plan under
 the budget (a √n split would ignore both the prices and where the peak lands); if no plan
-fits, the plan with the lowest estimated peak, and the report says so.
+fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning and the report's
+headline name the budget, that floor ("lowest reachable: 0.45x") and what keeps the step above
+it. A region that would free nothing is never made.
 
 Why it is safe: a recomputed region computes the same values from the same inputs; the
 non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
-same mask; a train-mode BatchNorm updates its running statistics on the first run only;
+same mask; a BatchNorm updates its running statistics on the first run only, in whichever mode
+it is when the step runs;
 parameters are shared, so gradients accumulate into the same tensors.
 
 When a node stays out of every region (reason in the report):
-  bn_training           a train-mode BatchNorm in functional form, or a subclass: recomputing it would
-                        update its running statistics twice (nn.BatchNorm1d/2d/3d modules may be
-                        recomputed: their recomputation leaves the statistics alone, `batch_norm_once`)
-  mutation              an in-place op: recomputing after it ran would read the mutated tensor
+  bn_training           a train-mode BatchNorm subclass or one called in a form fxopt cannot rewrite:
+                        recomputing it would update its running statistics twice (nn.BatchNorm1d/2d/3d
+                        modules, `F.batch_norm` and `aten.batch_norm` may be recomputed: a recomputation
+                        updates throwaway copies, `batch_norm_once`)
+  mutation              a write fxopt cannot place (`out=`, setitem): recomputing after it ran would
+                        read the mutated tensor. An in-place op (`add_`, `relu_`) may be recomputed inside
+                        a region that made the tensor it writes (not in a selective region's cached
+                        outputs): the recomputation makes it again and writes it again.
   already_checkpointed  a region the user (or an earlier run) checkpointed: left as it is
   unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
+and no region keeps (as input, or as a selective region's cached output) a tensor written in place
+after it, through any alias (`kept_tensor_written_later`, fxopt.passes._checkpoint_writes): the
+recomputation would read the new values; the report names the value, its writer and a refused region;
 and the whole pass is skipped when the graph already holds its regions (a second run changes
 nothing), cannot run on fake tensors, or is handed on to torch.compile (whose partitioner
 decides recomputation itself).
@@ -42,18 +52,21 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
+from ..analysis.aliasing import is_inplace_op
 from ..analysis.memory import Region, StepProfile, estimate, step_profile
 from ..analysis.ops import match_batch_norm
 from ..analysis.saved_tensors import op_name
 from ..analysis.side_effects import MUTATION, effects
 from ..errors import FxoptError
 from ._checkpoint_plan import plan_regions
-from ._checkpoint_region import CheckpointedRegion, extract_region, is_train_batch_norm_module
+from ._checkpoint_region import CheckpointedRegion, can_recompute_batch_norm, extract_region, is_lone_state_update
+from ._checkpoint_writes import KeptWrites
 from .base import TRAINING, Pass, PassContext, PassResult
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -85,21 +98,36 @@ def parse_budget(value) -> tuple[str, float]:
     return "fraction", float(value)
 
 
-def _barrier(node: fx.Node, gm: fx.GraphModule) -> str:
+def refusal(node: fx.Node, gm: fx.GraphModule) -> str:
     """Why `node` may not be recomputed inside a region (see module docstring), or ""."""
     if node.op == "call_module" and isinstance(gm.get_submodule(node.target), CheckpointedRegion):
         return "already_checkpointed"
     if node.op == "call_function" and node.target is torch.utils.checkpoint.checkpoint:
         return "already_checkpointed"
     bn = match_batch_norm(node, gm)
-    if bn is not None and bn.training is not False and not is_train_batch_norm_module(node, gm):
+    if bn is not None and bn.training is not False and not can_recompute_batch_norm(node, gm):
         return "bn_training"
+    if is_lone_state_update(node):
+        return ""
     name = op_name(node, gm)
     if name is None:
         return "unknown_op"
-    if MUTATION in effects(node, gm):
-        return "mutation"
+    if MUTATION in effects(node, gm) and not can_recompute_batch_norm(node, gm) and not is_inplace_op(name):
+        return "mutation"  # in-place ops may join a region that made what they write (KeptWrites.write_inside)
     return ""
+
+
+def _frees(profile: StepProfile, region: Region) -> int:
+    """Bytes a region stops keeping: what its steps would save, less what it keeps (its inputs, cached outputs)."""
+    return profile.region_recompute_bytes(region) - profile.bytes_of(profile.region_keeps(region))
+
+
+def _why_unreachable(result: PassResult) -> str:
+    """One line on what keeps the step above the budget."""
+    refusals = {k.removeprefix("refused_"): n for k, n in result.stats.items() if k.startswith("refused_")}
+    blocked = ", ".join(f"{n} {reason}" for reason, n in sorted(refusals.items()))
+    held = "what remains is region inputs, tensors saved outside regions and the gradients in flight"
+    return f"{blocked} node(s) cannot be recomputed; {held}" if blocked else held
 
 
 def _region_name(gm: fx.GraphModule, profile: StepProfile, region: Region) -> str:
@@ -136,22 +164,45 @@ class CheckpointActivations(Pass):
         if profile is None:
             result.skipped = "the graph cannot run on fake tensors, so its memory cannot be estimated"
             return result
-        allowed = []
+        checkpointable = []
         for step in profile.steps:
-            reason = _barrier(step.node, gm)
-            allowed.append(not reason)
+            reason = refusal(step.node, gm)
+            checkpointable.append(not reason)
             if reason:
                 result.record("refused", step.node, reason, "kept out of every checkpointed region")
         before = estimate(profile)
         limit = amount * before.peak if kind == "fraction" else amount
-        regions = plan_regions(profile, limit, allowed)
+        writes, conflicts = KeptWrites(gm, profile.steps), {}
+
+        def keeps_nothing_written_later(region: Region) -> bool:
+            if writes.write_inside(region) is not None:
+                return False
+            conflict = writes.conflict(region)
+            if conflict is not None:
+                conflicts.setdefault(conflict, region)
+            return conflict is None
+
+        regions = plan_regions(profile, limit, checkpointable, allowed=keeps_nothing_written_later)
         if regions is None:
-            lowest_plan = plan_regions(profile, math.inf, allowed, objective="peak")
-            lowest = estimate(profile, lowest_plan).backward_peak
-            cheapest = plan_regions(profile, lowest, allowed)  # the cheapest plan at that peak
+            lowest_plan = plan_regions(profile, math.inf, checkpointable, objective="peak",
+                                       allowed=keeps_nothing_written_later)
+            lowest = estimate(profile, lowest_plan).peak
+            cheapest = plan_regions(profile, lowest, checkpointable, allowed=keeps_nothing_written_later)
             regions = cheapest if cheapest is not None else lowest_plan
+            why = _why_unreachable(result)
             result.record("refused", "<graph>", "budget_unreachable",
-                          f"no plan fits {limit / 1e6:.2f} MB; lowest estimated peak {lowest / 1e6:.2f} MB")
+                          f"no plan fits {limit / 1e6:.2f} MB; lowest reachable {lowest / before.peak:.2f}x "
+                          f"({lowest / 1e6:.2f} MB): {why}")
+            result.figures["headline"] = (f"memory_budget {value!r} ({limit / 1e6:.2f} MB) NOT met: lowest "
+                                          f"reachable {lowest / before.peak:.2f}x of the step peak "
+                                          f"({lowest / 1e6:.2f} MB); {why}")
+            warnings.warn(f"fxopt: {result.figures['headline']}", stacklevel=2)
+        regions = tuple(r for r in regions if _frees(profile, r) > 0)  # a region that frees nothing only costs
+        for (value, writer), region in conflicts.items():
+            first, last = profile.steps[region.start].node.name, profile.steps[region.stop - 1].node.name
+            result.record("refused", value, "kept_tensor_written_later",
+                          f"{writer.name} writes it in place later; no region keeps it (refused: "
+                          f"{'selective ' if region.save_counted else ''}region {first}..{last})")
         after = estimate(profile, regions)
         names = []
         for region in regions:
@@ -160,10 +211,12 @@ class CheckpointActivations(Pass):
             call = extract_region(gm, nodes, name, region.save_counted)
             kind_text = "selective (matmul/conv/attention outputs kept)" if region.save_counted else "whole"
             result.record("checkpointed", call, detail=f"{len(nodes)} nodes {nodes[0].name}..{nodes[-1].name}, "
-                                                       f"{kind_text}, recomputes {profile.region_flops(region)} FLOPs")
+                                                       f"{kind_text}, frees {_frees(profile, region) / 1e6:.2f} MB, "
+                                                       f"recomputes {profile.region_flops(region)} FLOPs")
             names.append(name)
         result.figures.update(
-            budget_bytes=int(limit), regions=names, recomputed_flops=after.recompute_flops,
+            budget_bytes=int(limit), budget_met=after.peak <= limit, regions=names,
+            recomputed_flops=after.recompute_flops,
             saved_bytes_before=before.saved_bytes, saved_bytes_after=after.saved_bytes,
             peak_estimate_before=before.peak, peak_estimate_after=after.peak)
         return result

@@ -8,9 +8,12 @@ What it rewrites::
                                 b' = (b - mean) * s + beta
 
 for Conv1d/2d/3d, ConvTranspose1d/2d/3d (whose output channels are dim 1 of the weight,
-grouped into `groups` blocks), and Linear followed by BatchNorm1d on a 2-D output; in the
-`call_module`, functional (`F.conv2d` + `F.batch_norm`) and TorchDynamo (parameters as graph
-inputs) forms alike, through `fxopt.analysis.ops`.
+grouped into `groups` blocks), and Linear followed by BatchNorm1d on a 2-D output; in
+torch.export's ATen form (`aten.conv2d` + `aten.batch_norm(..., training=False, ...)`, what
+`fxopt.optimize` captures), the TorchDynamo form (parameters as graph inputs) and the
+functional and `call_module` forms alike, through `fxopt.analysis.ops`. The folded layer is
+emitted in the graph's own form. A grad-mode or autocast region is a barrier: a conv inside
+one and a BN outside (or the reverse) never meet, and the pairs inside keep the region's mode.
 
 Why it is safe: an eval-mode BatchNorm with running statistics is an affine map per channel
 with constant coefficients, and a convolution is linear in its weight per output channel, so
@@ -39,10 +42,13 @@ When it refuses (reason in the report):
   channel_axis_mismatch the layer's output channel is not dim 1: a conv on an unbatched input, or a
                         Linear output that is not 2-D
 
-A BN module's train/eval flag is read when the pass runs, as in torch.fx's `fuse` and Inductor's
-freezing. Where the BN module stays in the result (training), the folded graph checks each call
-that it is still in eval mode and raises FxoptError if the caller switched it to train mode,
-rather than silently computing the eval-mode result.
+A BN's train/eval flag is read when the pass runs, as in torch.fx's `fuse` and Inductor's
+freezing (export bakes it into `batch_norm(training=...)`). The fold records what it relies on
+as guards (`fxopt.guards`): the BN's module path in eval mode (TRAIN_MODE) and, where the
+folded tensors are precomputed, each weight and statistic keeping its value (SAME_VALUE); the
+result re-optimizes or runs the original when one no longer holds, never a stale fold. (In the
+`call_module` form, where the BN module stays in the result, the folded graph also checks its
+mode each call and raises FxoptError.)
 """
 from __future__ import annotations
 
@@ -56,9 +62,11 @@ from ..analysis.ops import (BatchNormCall, ConvCall, LinearCall, is_constant, ma
                             match_linear, materialize, resolve)
 from ..analysis.shapes import tensor_meta
 from ..analysis.written_state import state_key, written_state
+from ..capture.naming import module_path
 from ..errors import FxoptError
 from ..graph_functions import graph_function
-from .base import Pass, PassContext, PassResult
+from ..guards import SAME_VALUE, TRAIN_MODE, Guard
+from .base import Pass, PassContext, PassResult, model_name, site_name
 
 
 @graph_function
@@ -97,8 +105,8 @@ def _refusal(gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall
         if hooks:
             return "module_hooks", f"{call.node.target} has {', '.join(hooks)} that folding would skip"
     if len(layer.node.users) > 1:
-        users = ", ".join(u.name for u in layer.node.users if u is not bn.node)
-        return "conv_has_other_users", f"{layer.node.name} is also read by {users}"
+        users = ", ".join(site_name(u) for u in layer.node.users if u is not bn.node)
+        return "conv_has_other_users", f"{site_name(layer.node)} is also read by {users}"
     if not bn.uses_running_stats:
         return "bn_training", "BatchNorm uses batch statistics (train mode or no running stats)"
     refs = (layer.weight, layer.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
@@ -130,13 +138,27 @@ class FoldConvBN(Pass):
                 continue
             reason, detail = _refusal(gm, layer, bn, ctx, written)
             if reason:
-                result.record("refused", node, reason, detail)
+                result.record("refused", site_name(node), reason, detail)
                 continue
-            self._fold(gm, layer, bn, precompute=ctx.mode == "inference" and ctx.frontend == "api")
-            result.record("folded", node, detail=f"{layer.node.name} + {node.name}")
+            precompute = ctx.mode == "inference" and ctx.frontend == "api"
+            self._record_guards(gm, layer, bn, precompute, ctx)
+            self._fold(gm, layer, bn, precompute)
+            result.record("folded", site_name(node), detail=f"{site_name(layer.node)} + {site_name(node)}")
         if result.changed and ctx.mode == "inference":
             gm.delete_all_unused_submodules()
         return result
+
+    def _record_guards(self, gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool,
+                       ctx: PassContext) -> None:
+        """What the fold relies on: the BN stays in eval mode; precomputed, weights and statistics keep their values."""
+        why = f"{site_name(bn.node)} folded into {site_name(layer.node)}"
+        path = module_path(bn.node)
+        if path is not None:
+            ctx.guards.add(Guard(TRAIN_MODE, model_name(ctx, path), False, self.name, why))
+        refs = (layer.weight, layer.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
+        for ref in refs if precompute else ():
+            if isinstance(ref, fx.Node) and ref.op == "get_attr":
+                ctx.guards.add(Guard(SAME_VALUE, model_name(ctx, ref.target), None, self.name, why))
 
     def _fold(self, gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool) -> None:
         transposed = getattr(layer, "transposed", False)
@@ -148,8 +170,9 @@ class FoldConvBN(Pass):
             if precompute and all(t is not None or r is None for t, r in zip(real, refs)):
                 with torch.no_grad():
                     w, b = folded_conv_bn_params(*real, eps=bn.eps, transposed=transposed, groups=groups)
-                weight = self._store(gm, f"{bn.node.name}_folded_weight", w)
-                bias = self._store(gm, f"{bn.node.name}_folded_bias", b)
+                base = site_name(bn.node).replace(".", "_")
+                weight = self._store(gm, f"{base}_folded_weight", w)
+                bias = self._store(gm, f"{base}_folded_bias", b)
             else:
                 args = tuple(materialize(r, gm) for r in refs)
                 kwargs = {"eps": bn.eps, "transposed": transposed, "groups": groups}
@@ -158,10 +181,7 @@ class FoldConvBN(Pass):
                 folded = graph.call_function(folded_conv_bn_params, args, kwargs)
                 weight = graph.call_function(operator.getitem, (folded, 0))
                 bias = graph.call_function(operator.getitem, (folded, 1))
-            if isinstance(layer, ConvCall):
-                new = graph.call_function(layer.function, layer.functional_args(layer.input, weight, bias))
-            else:
-                new = graph.call_function(torch.nn.functional.linear, (layer.input, weight, bias))
+            new = graph.call_function(*layer.call_with(weight, bias))
         new.meta.update(bn.node.meta)
         bn.node.replace_all_uses_with(new)
         graph.erase_node(bn.node)

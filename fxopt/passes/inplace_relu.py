@@ -3,12 +3,15 @@ let relu keep a bool mask instead of its output where that frees memory.
 
 What it rewrites::
 
-    y = conv(x);  z = relu(y)            ->  y = conv(x);  z = relu(y, inplace=True)
-    y = bn(x);    z = relu(y) -> dropout ->  y = bn(x);    z = relu_mask_(y)   (training: keeps y > 0 as bool)
-    z = dropout(y)  with training=False  ->  (removed: it returns y itself)
+    y = aten.conv2d(x);  z = aten.relu(y)      ->  y = aten.conv2d(x);  z = aten.relu_(y)
+    y = bn(x);    z = relu(y) -> dropout       ->  y = bn(x);    z = relu_mask_(y)   (training: keeps y > 0 as bool)
+    z = aten.dropout(y, p, train=False)        ->  (removed: it returns y itself)
 
-for `nn.ReLU` / `F.relu` / `torch.relu` / `x.relu()` and the family ReLU6, Hardtanh, LeakyReLU, ELU,
-Hardswish, SiLU (`fxopt.analysis.activations`), in every form.
+for relu and the family relu6, hardtanh, leaky_relu, elu, hardswish, silu
+(`fxopt.analysis.activations`): ATen overloads (torch.export) become their in-place overloads
+(`aten.relu_`), other forms (`F.relu`, `nn.ReLU`, `x.relu()`) `F.<kind>(..., inplace=True)`.
+A train-mode dropout is never touched. Nothing inside a grad-mode or autocast region is
+rewritten, and a tensor such a region reads is never written (the region is an unknown op).
 
 Why it is safe: overwriting the activation's input with its output is invisible when nothing
 else can observe the old values. The shared analyses prove that, site by site:
@@ -26,6 +29,9 @@ When it refuses an in-place rewrite (reason in the report):
   saved_by_other_op      (training) another op keeps the input for backward (e.g. a `mul` reading it)
   backward_needs_input   (training) hardtanh/relu6/hardswish/silu, or a negative slope/alpha:
                          in place, autograd would keep a copy of the input (or cannot differentiate)
+  output_written_later   (training) leaky_relu/elu, whose in-place form keeps its OUTPUT for backward
+                         (out of place they keep the input), and the model later writes that output
+                         in place: backward would fail with autograd's version-counter error
 In training, relu keeps a mask only where nothing else keeps its output alive; otherwise:
   mask_kept_by_other_op  another op keeps the output for backward anyway (a following conv/linear)
   mask_graph_output      the output is returned by the graph, so it stays alive anyway
@@ -40,11 +46,13 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..analysis.activations import ActivationCall, match_activation
-from ..analysis.aliasing import MULTI_OUTPUT_VIEW_OPS, AliasInfo, has_internal_overlap
-from ..analysis.saved_tensors import dropout_training, is_known_op, op_name, saved_for_backward
+from ..analysis.aliasing import AliasInfo, has_internal_overlap, returns_several_views
+from ..analysis.saved_tensors import (dropout_training, is_known_op, keeps_output_only_in_place, op_name,
+                                      saved_for_backward)
 from ..analysis.shapes import tensor_meta
+from ..analysis.side_effects import MUTATION, effects
 from ._relu_mask import relu_mask, relu_mask_
-from .base import TRAINING, Pass, PassContext, PassResult
+from .base import TRAINING, Pass, PassContext, PassResult, site_name
 
 # In place, autograd keeps a copy of the input of these (their backward needs it): nothing is saved.
 _BACKWARD_NEEDS_INPUT = {"hardtanh", "relu6", "hardswish", "silu"}
@@ -65,7 +73,7 @@ def _inplace_refusal(act: ActivationCall, gm: fx.GraphModule, aliases: AliasInfo
     if inputs:
         what = "a graph input" if inputs[0].op == "placeholder" else "a parameter or buffer"
         return "graph_input", f"{x.name} is {'' if inputs[0] is x else 'a view of '}{what} ({inputs[0].name})"
-    views = [a for a in group if op_name(a, gm) in MULTI_OUTPUT_VIEW_OPS]
+    views = [a for a in group if returns_several_views(a, gm)]
     if views or has_internal_overlap(x):
         why = f"one of several views returned by {_describe(views[0], gm)}" if views else "an expanded view"
         return "aliased", f"{x.name} is {why}; autograd or the kernel forbids writing it in place"
@@ -80,6 +88,11 @@ def _inplace_refusal(act: ActivationCall, gm: fx.GraphModule, aliases: AliasInfo
         return "", ""
     if act.kind in _BACKWARD_NEEDS_INPUT or min(act.params.get("negative_slope", 0), act.params.get("alpha", 0)) < 0:
         return "backward_needs_input", f"in place, autograd would keep a copy of {x.name} for {act.kind}'s backward"
+    if keeps_output_only_in_place(act.kind):
+        writers = [a for a in aliases.aliases(node) if a is not node and MUTATION in effects(a, gm)]
+        if writers:
+            return "output_written_later", (f"{_describe(writers[0], gm)} writes {node.name} in place, which "
+                                            f"{act.kind}_ would keep for backward")
     for a in group:
         if a is not node and saved_for_backward(a, gm).saves_output:
             return "producer_saves_output", f"{_describe(a, gm)} keeps its output for backward"
@@ -131,9 +144,9 @@ class InplaceReLU(Pass):
             if inplace:
                 _rewrite(node, *act.inplace_form())
                 aliases.merge(node, act.input)
-                result.record("inplaced", node, detail=f"{act.kind} overwrites {act.input.name}")
+                result.record("inplaced", site_name(node), detail=f"{act.kind} overwrites {act.input.name}")
             else:
-                result.record("refused", node, reason, detail)
+                result.record("refused", site_name(node), reason, detail)
             if training and act.kind == "relu" and self.option(ctx, "relu_mask"):
                 self._mask(gm, node, act, inplace, aliases, result)
         return result
@@ -146,12 +159,12 @@ class InplaceReLU(Pass):
             return
         reason, detail = _mask_refusal(node, gm, aliases)
         if reason:
-            result.record("refused", node, reason, detail)
+            result.record("refused", site_name(node), reason, detail)
             return
         _rewrite(node, relu_mask_ if inplace else relu_mask, (act.input,), {})
         freed = out.numel() * (out.element_size() - 1)
         result.figures["mask_saved_bytes"] = result.figures.get("mask_saved_bytes", 0) + freed
-        result.record("masked", node, detail=f"keeps a bool mask: {freed} bytes less kept for backward")
+        result.record("masked", site_name(node), detail=f"keeps a bool mask: {freed} bytes less kept for backward")
 
     @staticmethod
     def _drop_eval_dropouts(gm: fx.GraphModule, training: bool, result: PassResult) -> None:
@@ -163,4 +176,4 @@ class InplaceReLU(Pass):
                 continue
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
-            result.record("dropped", node.name, detail="dropout in eval mode returns its input")
+            result.record("dropped", site_name(node), detail="dropout in eval mode returns its input")

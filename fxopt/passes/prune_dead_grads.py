@@ -37,12 +37,17 @@ statistics. In inference mode only dead-code elimination runs (nothing is record
 When it refuses (reason in the report):
   not_model_outputs   differentiable_outputs given, but this graph's outputs are not the model's
                       (a captured submodule, or a Dynamo graph on the torch.compile path)
-  not_importable      a function outside the loss that the graph cannot name again (an ATen
-                      overload): it stays recorded (the nodes around it still run without grad)
+  not_importable      a function outside the loss that the graph cannot name again: it stays
+                      recorded (the nodes around it still run without grad)
+  region              a grad-mode or autocast region of an exported graph outside the loss: it runs
+                      as the user wrote it (a barrier), the nodes around it run without grad
   module_has_hooks    the conv/BN module has hooks, which a functional replacement would skip
   unsupported_conv    padding_mode other than zeros, ConvTranspose with output_size, string padding
   unbatched           a conv input without a batch dimension
   mixed_dtype         a BatchNorm whose statistics and input differ in dtype (autocast, half)
+  state_written       a frozen BatchNorm whose statistics or affine parameters the graph itself
+                      writes (a train-mode BN sharing them, an in-place op): eager autograd reads them
+                      at backward time, after the write, so `x * scale + shift` would differ
   no_waste            the op does not keep its input here (nothing to gain)
 
 Limits: like fold_conv_bn, a BatchNorm's eval mode is taken as given at optimize time. Double
@@ -64,14 +69,17 @@ import torch.fx as fx
 from .. import _torch_private
 from ..analysis.costs import estimate_costs, placeholder_values
 from ..analysis.grad_needs import GradNeeds, analyze_grad_needs, really_saved
-from ..analysis.ops import ConvCall, match_batch_norm, match_conv, materialize, resolve
+from ..analysis.ops import ConvCall, match_batch_norm, match_conv, materialize, region_of, resolve
 from ..analysis.saved_tensors import op_name
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import importable_name, removable_if_unused
+from ..analysis.written_state import state_key, written_state
+from ..capture.naming import module_path
 from ..errors import FxoptError
+from ..guards import TRAIN_MODE, Guard
 from ._frozen_ops import (call_method_without_grad, call_without_grad, conv_saving_what_grads_need,
                           eval_batch_norm_scale_shift)
-from .base import INFERENCE, Pass, PassContext, PassResult
+from .base import INFERENCE, Pass, PassContext, PassResult, model_name, site_name
 
 
 def parse_differentiable_outputs(value) -> tuple | None:
@@ -88,9 +96,24 @@ def parse_differentiable_outputs(value) -> tuple | None:
     return tuple(items)
 
 
-def output_entries(gm: fx.GraphModule) -> dict[Hashable, object]:
-    """The graph's outputs by index (tuple/list or a single value) or key (dict)."""
-    return entries_of(gm.graph.find_nodes(op="output")[0].args[0])
+def output_entries(gm: fx.GraphModule) -> dict[Hashable, tuple[int, ...]]:
+    """The model's outputs by index (tuple/list or a single value) or key (dict, ModelOutput), each as
+    the positions of its tensors among the graph's flat outputs (an exported graph rebuilds the
+    structure from them; a Dynamo graph's outputs are the positions themselves)."""
+    flat = _flat_outputs(gm)
+    structure = _torch_private.output_structure(gm)
+    if structure is None:
+        return {i: (i,) for i in range(len(flat))}
+    entries, start = {}, 0
+    for key, size in zip(*structure):
+        entries[key] = tuple(range(start, start + size))
+        start += size
+    return entries
+
+
+def _flat_outputs(gm: fx.GraphModule) -> list:
+    out = gm.graph.find_nodes(op="output")[0].args[0]
+    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def entries_of(out) -> dict[Hashable, object]:
@@ -119,12 +142,6 @@ def chosen_outputs(entries: dict, selection: tuple) -> set:
     return set(selection)
 
 
-def _leaves(entry) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg(entry, found.append)
-    return found
-
-
 def _is_trainable(ref, gm: fx.GraphModule, needs: GradNeeds) -> bool:
     if ref is None:
         return False
@@ -151,16 +168,18 @@ class PruneDeadGrads(Pass):
                 raise FxoptError("differentiable_outputs applies to training; in inference nothing is differentiated")
             self._eliminate_dead_code(gm, result)
             return result
+        self._eliminate_dead_code(gm, result)  # first: a dead node's saved tensors are freed at once anyway
         before = estimate_costs(gm, placeholder_values(gm), training=True)
-        self._eliminate_dead_code(gm, result)
+        dead_code_sites = len(result.sites)
         chosen = self._chosen_outputs(gm, ctx, selection, result)
         needs = self._analyze(gm, ctx, chosen)
         self._figures(needs, ctx, result)
         self._run_without_grad(gm, needs, result)
         self._detach_outputs(gm, needs, chosen, result)
-        self._rewrite_frozen(gm, lambda: self._analyze(gm, ctx, chosen), result)
+        self._rewrite_frozen(gm, ctx, lambda: self._analyze(gm, ctx, chosen), result)
         gm.recompile()
-        after = estimate_costs(gm, placeholder_values(gm), training=True)
+        rewritten = any(not s.refused for s in result.sites[dead_code_sites:])
+        after = estimate_costs(gm, placeholder_values(gm), training=True) if rewritten else before  # fake runs: slow
         if before is not None and after is not None:
             result.figures["saved_bytes_before"] = before.saved_bytes
             result.figures["saved_bytes_after"] = after.saved_bytes
@@ -182,8 +201,8 @@ class PruneDeadGrads(Pass):
 
     @staticmethod
     def _analyze(gm: fx.GraphModule, ctx: PassContext, chosen: set) -> GradNeeds:
-        entries = output_entries(gm)
-        differentiated = [leaf for key in chosen for leaf in _leaves(entries[key])]
+        entries, flat = output_entries(gm), _flat_outputs(gm)
+        differentiated = [flat[i] for key in chosen for i in entries[key] if isinstance(flat[i], fx.Node)]
         return analyze_grad_needs(gm, differentiated, ctx.constant_inputs)
 
     # ---- 3. dead code ----
@@ -193,7 +212,7 @@ class PruneDeadGrads(Pass):
         for node in reversed(list(gm.graph.nodes)):
             if not node.users and removable_if_unused(node, gm):
                 if node.op != "get_attr":
-                    result.record("removed", node, "dead", "nothing reads it and it has no side effect")
+                    result.record("removed", site_name(node), "dead", "nothing reads it and it has no side effect")
                 gm.graph.erase_node(node)
 
     # ---- 1. outputs outside the loss ----
@@ -203,12 +222,16 @@ class PruneDeadGrads(Pass):
         graph = gm.graph
         for node in needs.no_grad_nodes:
             wrapper, target = call_without_grad, node.target
+            if region_of(node, gm) is not None:
+                result.record("refused", site_name(node), "region",
+                              "a grad-mode/autocast region runs as written; it stays recorded")
+                continue
             if node.op == "call_method":
                 wrapper = call_method_without_grad
-            elif node.op == "call_function":
+            elif node.op == "call_function" and not _torch_private.aten_op_name(node.target):  # ATen ops print
                 target = importable_name(node.target)
                 if target is None:
-                    result.record("refused", node, "not_importable",
+                    result.record("refused", site_name(node), "not_importable",
                                   f"{node.target!r} cannot be named in the graph; it stays recorded")
                     continue
             with graph.inserting_before(node):
@@ -218,41 +241,33 @@ class PruneDeadGrads(Pass):
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
-            result.record("no_grad", new, detail=f"{node.name} feeds only outputs nobody differentiates")
+            result.record("no_grad", site_name(new), detail=f"{node.name} feeds only outputs nobody differentiates")
 
     @staticmethod
     def _detach_outputs(gm: fx.GraphModule, needs: GradNeeds, chosen: set, result: PassResult) -> None:
         output = gm.graph.find_nodes(op="output")[0]
-        entries = output_entries(gm)
-        replaced = {}
-        for key, entry in entries.items():
-            if key in chosen:
-                continue
-            recorded = list(dict.fromkeys(leaf for leaf in _leaves(entry) if leaf in needs.requires_grad))
+        flat = _flat_outputs(gm)
+        detached: dict[fx.Node, fx.Node] = {}
+        for key, positions in output_entries(gm).items():
+            recorded = [i for i in positions if key not in chosen and flat[i] in needs.requires_grad]
             if not recorded:
                 continue
-            detached = {}
             with gm.graph.inserting_before(output):
-                for leaf in recorded:
-                    detached[leaf] = gm.graph.call_method("detach", (leaf,))
-                    detached[leaf].meta.update(leaf.meta)
-            replaced[key] = fx.node.map_arg(entry, lambda n: detached.get(n, n))
+                for i in recorded:
+                    if flat[i] not in detached:
+                        detached[flat[i]] = gm.graph.call_method("detach", (flat[i],))
+                        detached[flat[i]].meta.update(flat[i].meta)
+                    flat[i] = detached[flat[i]]
             result.record("detached", f"output[{key!r}]",
                           detail="declared non-differentiable: returned with requires_grad=False")
-        if not replaced:
-            return
-        out = output.args[0]
-        if isinstance(out, dict):
-            new_out = {k: replaced.get(k, v) for k, v in out.items()}
-        elif isinstance(out, (tuple, list)):
-            new_out = type(out)(replaced.get(i, v) for i, v in enumerate(out))
-        else:
-            new_out = replaced[0]
-        output.args = (new_out,)
+        if detached:
+            out = output.args[0]
+            output.args = (type(out)(flat) if isinstance(out, (tuple, list)) else flat[0],)
 
     # ---- 2. frozen layers ----
 
-    def _rewrite_frozen(self, gm: fx.GraphModule, analyze: Callable[[], GradNeeds], result: PassResult) -> None:
+    def _rewrite_frozen(self, gm: fx.GraphModule, ctx: PassContext, analyze: Callable[[], GradNeeds],
+                        result: PassResult) -> None:
         """Rewrite frozen convs and eval BatchNorms, re-analysing after each rewrite (new nodes)."""
         needs = analyze()
         for node in list(gm.graph.nodes):
@@ -263,7 +278,7 @@ class PruneDeadGrads(Pass):
             if conv is not None:
                 rewritten = self._frozen_conv(gm, conv, needs, result)
             elif bn is not None and bn.uses_running_stats and op_name(node, gm) == "batch_norm":
-                rewritten = self._frozen_batch_norm(gm, bn, needs, result)
+                rewritten = self._frozen_batch_norm(gm, ctx, bn, needs, result)
             else:
                 rewritten = False
             if rewritten:
@@ -287,7 +302,7 @@ class PruneDeadGrads(Pass):
         if not reason:
             reason, detail = self._refusal(node, gm, needs, conv.input)
         if reason:
-            result.record("refused", node, reason, detail)
+            result.record("refused", site_name(node), reason, detail)
             return False
         n = conv.spatial_dims
         with gm.graph.inserting_before(node):
@@ -296,7 +311,7 @@ class PruneDeadGrads(Pass):
                     _ntuple(conv.output_padding, n), conv.groups)
             new = gm.graph.call_function(conv_saving_what_grads_need, args)
         self._replace(gm, node, new)
-        result.record("frozen_conv", new, detail=f"{node.name}: weight needs no gradient, so this op no "
+        result.record("frozen_conv", site_name(new), detail=f"{node.name}: weight needs no gradient, so this op no "
                                                  f"longer keeps its input ({_nbytes(conv.input)} B)")
         return True
 
@@ -311,7 +326,8 @@ class PruneDeadGrads(Pass):
             return "unbatched", "input has no batch dimension"
         return "", ""
 
-    def _frozen_batch_norm(self, gm: fx.GraphModule, bn, needs: GradNeeds, result: PassResult) -> bool:
+    def _frozen_batch_norm(self, gm: fx.GraphModule, ctx: PassContext, bn, needs: GradNeeds,
+                           result: PassResult) -> bool:
         node = bn.node
         if bn.input not in needs.requires_grad or _is_trainable(bn.weight, gm, needs) \
                 or _is_trainable(bn.bias, gm, needs):
@@ -319,11 +335,17 @@ class PruneDeadGrads(Pass):
         x, mean = tensor_meta(bn.input), resolve(bn.running_mean, gm)
         mean = mean if mean is not None else tensor_meta(bn.running_mean)
         if x is None or mean is None or x.dtype != mean.dtype:
-            result.record("refused", node, "mixed_dtype", "statistics and input differ in dtype")
+            result.record("refused", site_name(node), "mixed_dtype", "statistics and input differ in dtype")
+            return False
+        written = written_state(gm)
+        if any(r is not None and state_key(r, gm) in written for r in (bn.running_mean, bn.running_var, bn.weight,
+                                                                         bn.bias)):
+            result.record("refused", site_name(node), "state_written", "a statistic or affine parameter is also "
+                                                                         "written by the graph (train-mode BN, in-place op)")
             return False
         reason, detail = self._refusal(node, gm, needs, bn.input)
         if reason:
-            result.record("refused", node, reason, detail)
+            result.record("refused", site_name(node), reason, detail)
             return False
         graph = gm.graph
         with graph.inserting_before(node):
@@ -334,7 +356,11 @@ class PruneDeadGrads(Pass):
             scaled = graph.call_function(operator.mul, (bn.input, scale))
             new = graph.call_function(operator.add, (scaled, shift))
         self._replace(gm, node, new)
-        result.record("frozen_bn", new, detail=f"{node.name}: eval BatchNorm with frozen affine no longer "
+        path = module_path(node)
+        if path is not None:  # the scale-and-shift is BatchNorm's eval-mode formula
+            ctx.guards.add(Guard(TRAIN_MODE, model_name(ctx, path), False, self.name, f"{site_name(node)} runs as "
+                                                                                      "x * scale + shift"))
+        result.record("frozen_bn", site_name(new), detail=f"{node.name}: eval BatchNorm with frozen affine no longer "
                                                f"keeps its input ({_nbytes(bn.input)} B)")
         return True
 

@@ -9,6 +9,7 @@ from typing import Any
 from tabulate import tabulate
 
 from ..capture import OpaqueModule, Specialization
+from ..guards import Guard, GuardSet
 from ..passes.base import Site
 
 
@@ -56,6 +57,8 @@ class Report:
     opaque: list[OpaqueModule] = dataclasses.field(default_factory=list)
     specialized: list[Specialization] = dataclasses.field(default_factory=list)  # graphs guarded by a call check
     graphs: list[str] = dataclasses.field(default_factory=list)  # where each captured graph sits
+    guards: list[Guard] = dataclasses.field(default_factory=list)  # facts the result checks on every call
+    guard_events: Counter = dataclasses.field(default_factory=Counter)  # "<fact>: <what fxopt did>" -> calls
 
     def __getitem__(self, name: str) -> PassReport:
         for p in self.passes:
@@ -70,6 +73,8 @@ class Report:
             "opaque_modules": [dataclasses.asdict(o) for o in self.opaque],
             "specialized_graphs": [dataclasses.asdict(s) for s in self.specialized],
             "passes": [p.to_dict() for p in self.passes],
+            "guards": [g.to_dict() for g in self.guards],
+            "guard_events": dict(self.guard_events),
         }
 
     def summary_table(self) -> str:
@@ -103,9 +108,23 @@ class Report:
                       tabulate(rows, headers=["module", "graph assumes"])]
         return lines
 
+    def guard_sections(self) -> list[str]:
+        """Lines summarizing the guards (per owner and kind) and what happened when one failed."""
+        lines = []
+        if self.guards:
+            rows = [[owner, kind, count, example] for owner, kind, count, example in GuardSet(self.guards).summary()]
+            lines += ["", "Guards (checked on every call; when one fails fxopt re-optimizes or runs the original):",
+                      tabulate(rows, headers=["owner", "kind", "count", "first"])]
+        if self.guard_events:
+            rows = [[what, n] for what, n in self.guard_events.items()]
+            lines += ["", tabulate(rows, headers=["guard failed: what fxopt did", "calls"])]
+        return lines
+
     def __str__(self) -> str:
-        parts = [f"fxopt report ({self.mode}, {len(self.graphs)} graph(s))", self.summary_table(),
-                 *self.capture_sections()]
+        parts = [f"fxopt report ({self.mode}, {len(self.graphs)} graph(s))",
+                 *(f"{p.name}: {p.figures['headline']}" for p in self.passes if p.figures.get("headline")),
+                 self.summary_table(),
+                 *self.capture_sections(), *self.guard_sections()]
         sites = self.sites_table()
         if sites:
             parts += ["", sites]

@@ -1,20 +1,23 @@
 """`verify=True`: after every pass, the optimized model must still compute what the original did.
 
-The reference runs once on a deep copy of the original model; each check runs a deep copy of
-the candidate, so neither run touches the caller's model, its buffers or its inputs. Both runs
+The reference runs once on a copy of the original model; each check runs a copy of the
+candidate, so neither run touches the caller's model, its buffers or its inputs. The first
+check is of capture alone (`stage="capture"`), so a difference capture introduced is never
+blamed on a pass. Any exception of the candidate's step (forward or backward) becomes an
+FxoptError naming the stage after which it appeared. Both runs
 start from the same RNG seed (dropout draws the same masks). In training mode the check also
 runs backward with fixed random output gradients and compares every parameter's gradient and
 every buffer (BatchNorm running statistics) after the step.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Mapping
 
 import torch
 
 from ..errors import FxoptError
+from ..model_copy import independent_copy
 
 SEED = 20261129
 
@@ -54,7 +57,7 @@ def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool, diff
 
     `differentiable`: which outputs the loss reads (prune_dead_grads' `differentiable_outputs`).
     """
-    model = copy.deepcopy(model)
+    model = independent_copy(model)
     inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
               for x in example_inputs]
     tensors: dict[str, torch.Tensor] = {}
@@ -116,6 +119,10 @@ def max_difference(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], r
     return worst, worst_name, ok
 
 
+def _stage(name: str) -> str:
+    return "capture" if name == "capture" else f"pass {name!r}"
+
+
 class Verifier:
     def __init__(self, original: torch.nn.Module, example_inputs: tuple, training: bool,
                  rtol: float = 1e-4, atol: float = 1e-4, differentiable=None):
@@ -123,16 +130,32 @@ class Verifier:
         self.training = training
         self.rtol, self.atol = rtol, atol
         self.differentiable = differentiable
-        self.reference = run_step(original, example_inputs, training, differentiable).tensors
+        try:
+            self.reference = run_step(original, example_inputs, training, differentiable).tensors
+        except FxoptError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the model itself fails: nothing to verify against
+            step = "training step (forward + backward)" if training else "forward"
+            raise FxoptError(f"verify=True: the original model fails a {step} on the example inputs: "
+                             f"{type(e).__name__}: {e}") from e
 
     def check(self, candidate: torch.nn.Module, pass_name: str) -> float:
-        """Return the largest difference; raise FxoptError naming `pass_name` on a mismatch."""
-        got = run_step(candidate, self.example_inputs, self.training, self.differentiable)
+        """Return the largest difference; raise FxoptError naming `pass_name` ("capture" for capture
+        alone) on a mismatch or on any exception of the candidate's step."""
+        stage = _stage(pass_name)
+        try:
+            got = run_step(candidate, self.example_inputs, self.training, self.differentiable)
+        except FxoptError as e:
+            raise FxoptError(f"verification failed after {stage}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - forward or backward of the optimized model raised
+            step = "training step (forward + backward)" if self.training else "forward"
+            raise FxoptError(f"verification failed after {stage}: the optimized model's {step} raised "
+                             f"{type(e).__name__}: {e}") from e
         for i, (before, after) in enumerate(zip(self.example_inputs, got.inputs_after)):
             if isinstance(before, torch.Tensor) and not torch.equal(before, after.detach()):
-                raise FxoptError(f"verification failed after pass {pass_name!r}: it mutated input {i}")
+                raise FxoptError(f"verification failed after {stage}: it mutated input {i}")
         worst, name, ok = max_difference(self.reference, got.tensors, self.rtol, self.atol)
         if not ok:
-            raise FxoptError(f"verification failed after pass {pass_name!r}: {name} differs from the original "
+            raise FxoptError(f"verification failed after {stage}: {name} differs from the original "
                              f"model by up to {worst:.3g}")
         return worst

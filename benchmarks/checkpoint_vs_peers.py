@@ -1,0 +1,152 @@
+"""Training memory on real models: fxopt's checkpoint_activations beside what users already have.
+
+Per model (Hugging Face, built from small configs with random weights, wrapped to return
+`last_hidden_state`, loss = mean of its square), one training step per variant:
+
+  eager            the model as it is
+  fxopt 0.5        fxopt.optimize(..., memory_budget=0.5)
+  fxopt @HF        fxopt.optimize(..., memory_budget=<bytes HF's checkpointing peaks at>)
+  HF GC            model.gradient_checkpointing_enable() (where the model supports it)
+  ckpt/block       torch.utils.checkpoint (non-reentrant) around each block of the model
+  compile 0.5      torch.compile(backend="aot_eager") with activation_memory_budget=0.5 (--compile)
+
+Peak = the allocator's live bytes during one step (`fxopt.measure.measure_allocator_peak`, after a
+warm-up step; parameter gradients exist before it), as a ratio of eager's. Step time = median of
+interleaved rounds (every variant once per round), as a ratio of eager's. optimize() = wall time
+of fxopt.optimize. CPU times on a shared machine carry +-10-20% noise; peaks are deterministic.
+
+    python benchmarks/checkpoint_vs_peers.py [--models bert,gpt2] [--rounds 3] [--compile]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+from tabulate import tabulate
+from torch.utils.checkpoint import checkpoint
+
+import fxopt
+from fxopt import _torch_private
+from fxopt.measure import measure_allocator_peak
+
+
+class LastHiddenState(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).last_hidden_state
+
+
+def _models():
+    import transformers as hf
+
+    tokens = torch.randint(0, 1000, (8, 128))
+    images = torch.randn(4, 3, 224, 224)
+    return {
+        "bert": (lambda: hf.BertModel(hf.BertConfig(num_hidden_layers=6, hidden_size=384, num_attention_heads=6,
+                                                    intermediate_size=1536, attn_implementation="eager")),
+                 tokens, "encoder.layer"),
+        "gpt2": (lambda: hf.GPT2Model(hf.GPT2Config(n_layer=6, n_embd=384, n_head=6, use_cache=False,
+                                                    attn_implementation="eager")),
+                 tokens, "h"),
+        "vit": (lambda: hf.ViTModel(hf.ViTConfig(num_hidden_layers=6, hidden_size=384, num_attention_heads=6,
+                                                 intermediate_size=1536, attn_implementation="eager")),
+                images, "layers"),
+        "convnext": (lambda: hf.ConvNextModel(hf.ConvNextConfig(depths=[2, 2, 2, 2], hidden_sizes=[48, 96, 192, 384])),
+                     images[:2], "encoder.stages"),
+        "resnet50": (lambda: hf.ResNetModel(hf.ResNetConfig()), images, "encoder.stages"),
+        "mobilenet_v2": (lambda: hf.MobileNetV2Model(hf.MobileNetV2Config()), images, "layer"),
+    }
+
+
+def _loss_step(forward, x):
+    out = forward(x)
+    return (out.float() ** 2).mean()
+
+
+def _checkpoint_each_block(model: torch.nn.Module, blocks_path: str) -> torch.nn.Module:
+    """A copy whose every block (children of `blocks_path`) runs under non-reentrant torch.utils.checkpoint."""
+    model = copy.deepcopy(model)
+    for block in model.get_submodule(f"model.{blocks_path}").children():
+        block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
+    return model
+
+
+def _peak(forward, module, x) -> int:
+    return measure_allocator_peak(module, (x,), forward=lambda x: _loss_step(forward, x) * 1.0)
+
+
+def _timed(forward, module, x) -> float:
+    start = time.perf_counter()
+    _loss_step(forward, x).backward()
+    module.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def run_model(name, factory, x, blocks_path, rounds, with_compile):
+    torch.manual_seed(0)
+    base = LastHiddenState(factory()).train()
+    variants, optimize_s = {"eager": (base, base)}, {}
+    hf_model = None
+    if getattr(base.model, "supports_gradient_checkpointing", False):
+        hf_model = copy.deepcopy(base)
+        hf_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        variants["HF GC"] = (hf_model, hf_model)
+    per_block = _checkpoint_each_block(base, blocks_path)
+    variants["ckpt/block"] = (per_block, per_block)
+    peaks = {k: _peak(f, m, x) for k, (f, m) in variants.items()}
+    budgets = {"fxopt 0.5": 0.5}
+    if "HF GC" in peaks:
+        budgets["fxopt @HF"] = int(peaks["HF GC"])
+    for label, budget in budgets.items():
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = fxopt.optimize(base, (x,), mode="training", memory_budget=budget)
+        optimize_s[label] = time.perf_counter() - start
+        missed = [str(w.message) for w in caught if "NOT met" in str(w.message)]
+        if missed:
+            print(f"  {name} {label}: {missed[0]}")
+        variants[label] = (opt, opt)
+        peaks[label] = _peak(opt, opt, x)
+    if with_compile:
+        with _torch_private.activation_memory_budget(0.5):
+            compiled = torch.compile(base, backend="aot_eager")
+            peaks["compile 0.5"] = _peak(compiled, base, x)
+            variants["compile 0.5"] = (compiled, base)
+    times = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, (f, m) in variants.items():
+            times[k].append(_timed(f, m, x))
+    eager_t, eager_p = statistics.median(times["eager"]), peaks["eager"]
+    return [[name, k, f"{peaks[k] / eager_p:.2f}x", f"{peaks[k] / 1e6:.1f}",
+             f"{statistics.median(times[k]) / eager_t:.2f}x", f"{optimize_s[k]:.1f}" if k in optimize_s else ""]
+            for k in variants]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="bert,gpt2,vit,convnext,resnet50,mobilenet_v2")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    models = _models()
+    rows = []
+    for name in args.models.split(","):
+        factory, x, blocks = models[name]
+        rows += run_model(name, factory, x, blocks, args.rounds, args.compile)
+        print(tabulate(rows[-7:], headers=["model", "variant", "peak", "peak MB", "step time", "optimize() s"]),
+              flush=True)
+    print()
+    print(tabulate(rows, headers=["model", "variant", "peak", "peak MB", "step time", "optimize() s"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Which calls an exported graph may take: what `torch.export` assumed about the example call.
+
+Export specializes a graph to its example call: the argument structure (positional count,
+keyword names), every non-tensor argument's value (`return_dict=True`), each tensor's dtype,
+device and sizes — except the dimensions it kept symbolic (the batch dimension, within the
+range export allows, e.g. `>= 2`: sizes 0 and 1 are always specialized). `CallSpec` records
+these facts as plain data (it pickles with the result) and checks a call against them in
+microseconds, returning a reason rather than raising, so that the caller can run the original
+module instead of hitting export's `AssertionError: Guard failed`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .. import _torch_private
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    device: str
+    sizes: tuple  # int, or the name of a symbolic size ("s0")
+
+    def describe(self) -> str:
+        return f"({', '.join(map(str, self.sizes))}) {str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclasses.dataclass
+class CallSpec:
+    """What an exported graph assumes about its call (see module docstring)."""
+
+    in_spec: Any  # the pytree structure of (args, kwargs)
+    keywords: tuple[str, ...]  # keyword argument names, in the order the graph flattens them
+    leaves: list  # per flattened argument: a TensorSpec, or the non-tensor value itself
+    names: list[str]  # per flattened argument: its name in the call, for messages
+    ranges: dict[str, tuple[int, int | None]]  # symbolic size -> (min, max or None)
+
+    @classmethod
+    def from_export(cls, gm: torch.fx.GraphModule, range_constraints: dict, kwargs: dict) -> CallSpec:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        leaves = [_leaf_spec(n.meta.get("val")) for n in placeholders]
+        ranges = {}
+        for symbol, value_range in range_constraints.items():
+            ranges[str(symbol)] = (int(value_range.lower), _finite(value_range.upper))
+        return cls(_torch_private.call_structure(gm), tuple(kwargs), leaves, [n.name for n in placeholders], ranges)
+
+    def mismatch(self, args: tuple, kwargs: dict) -> str | None:
+        """None if the graph may take this call, else why not (one line)."""
+        if set(kwargs) != set(self.keywords):
+            return f"keyword arguments {sorted(kwargs)}, the graph was exported for {sorted(self.keywords)}"
+        leaves, spec = _torch_private.tree_flatten((tuple(args), {k: kwargs[k] for k in self.keywords}))
+        if spec != self.in_spec:
+            return f"{len(args)} positional argument(s) or nested structure unlike the example call"
+        bound: dict[str, int] = {}
+        for name, expected, value in zip(self.names, self.leaves, leaves):
+            problem = self._leaf_mismatch(expected, value, bound)
+            if problem:
+                return f"{name}: {problem}"
+        return None
+
+    def _leaf_mismatch(self, expected, value, bound: dict[str, int]) -> str | None:
+        if not isinstance(expected, TensorSpec):
+            if isinstance(value, torch.Tensor) or type(value) is not type(expected) or value != expected:
+                return f"{value!r}, the graph assumes {expected!r}"
+            return None
+        if not isinstance(value, torch.Tensor):
+            return f"a {type(value).__name__}, the graph assumes a tensor {expected.describe()}"
+        if value.dtype != expected.dtype or str(value.device) != expected.device or value.dim() != len(expected.sizes):
+            return (f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')} on {value.device}, "
+                    f"the graph assumes {expected.describe()} on {expected.device}")
+        for size, want in zip(value.shape, expected.sizes):
+            if isinstance(want, int):
+                if size != want:
+                    return f"shape {tuple(value.shape)}, the graph assumes {expected.describe()}"
+                continue
+            if bound.setdefault(want, size) != size:
+                return f"size {size} where the graph needs {want} = {bound[want]} (the same size as another input)"
+            low, high = self.ranges.get(want, (0, None))
+            if size < low or (high is not None and size > high):
+                allowed = f"{low}..{high}" if high is not None else f">= {low}"
+                return f"shape {tuple(value.shape)}, the graph assumes {expected.describe()} with {want} {allowed}"
+        return None
+
+    def describe(self) -> str:
+        """E.g. `x: (s0, 3, 32, 32) float32; return_dict=True; s0 >= 2`."""
+        parts = [f"{name}: {leaf.describe()}" if isinstance(leaf, TensorSpec) else f"{name}={leaf!r}"
+                 for name, leaf in zip(self.names, self.leaves)]
+        used = {s for leaf in self.leaves if isinstance(leaf, TensorSpec) for s in leaf.sizes if isinstance(s, str)}
+        for symbol in sorted(used):
+            low, high = self.ranges.get(symbol, (0, None))
+            parts.append(f"{symbol} in {low}..{high}" if high is not None else f"{symbol} >= {low}")
+        return "; ".join(parts)
+
+
+def _finite(bound) -> int | None:
+    """A range bound as an int, None for infinity (sympy's `int_oo`)."""
+    return int(bound) if bound.is_Integer else None
+
+
+def _leaf_spec(value):
+    """The recorded fact about one flattened argument (a placeholder's example value)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    sizes = tuple(int(s) if not isinstance(s, torch.SymInt) else str(s.node.expr) for s in value.shape)
+    return TensorSpec(value.dtype, str(value.device), sizes)

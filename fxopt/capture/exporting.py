@@ -1,0 +1,98 @@
+"""Export one module as called: `torch.export.export(module, args, kwargs, strict=False)`.
+
+The graph is `ep.module()` — ATen training-IR ops, parameters and buffers as `get_attr` nodes
+that are the module's own tensors, grad-mode and autocast regions as
+`wrap_with_set_grad_enabled` / `wrap_with_autocast` calls, buffer writes as in-place ops — made
+into a plain `torch.fx.GraphModule`: without export's input-guard call (`_guards_fn`, which fails
+with an `AssertionError`; its facts are kept in a `CallSpec`), and without export's forward hooks
+(closures that neither pickle nor let a call differ).
+
+The first dimension of every tensor argument is exported as `Dim.AUTO`: symbolic where the
+model's code allows it, silently static where it does not (and always static for an example
+batch of 0 or 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import textwrap
+import traceback
+
+import torch
+import torch.fx as fx
+
+from .. import _torch_private
+from .call_spec import CallSpec
+from .state import preserved_state
+
+_REASON_WIDTH = 300
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXOPT_DIR = os.path.dirname(os.path.dirname(__file__))
+
+
+@dataclasses.dataclass
+class Exported:
+    gm: fx.GraphModule
+    call: CallSpec
+    training_flags: dict[str, bool]  # module path -> the train/eval flag export baked into the graph
+
+
+def _dynamic_batch(args: tuple, kwargs: dict, signature: inspect.Signature) -> dict:
+    """`dynamic_shapes` for export: dimension 0 of every tensor argument is Dim.AUTO, by argument name."""
+    def spec(value):
+        return {0: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+
+    bound = signature.bind(*args, **kwargs)
+    return {name: _torch_private.tree_map(spec, value) for name, value in bound.arguments.items()}
+
+
+def export_module(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exported | str:
+    """Export `module` for the call (args, kwargs), or return why export refused (see module docstring).
+
+    The module, its tensors and the arguments are left as they were (export runs writes to
+    plain tensor attributes on the real tensors).
+    """
+    try:
+        dynamic = _dynamic_batch(args, kwargs, inspect.signature(module.forward))
+    except TypeError as e:  # the call does not bind to forward's signature
+        return f"{type(e).__name__}: {e}"
+    try:
+        with preserved_state(module, (args, kwargs), parameters=False), _torch_private.refuse_user_checkpoint(), \
+                _torch_private.quiet_export_logs():
+            ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
+    except Exception as e:  # noqa: BLE001 - any refusal keeps this module opaque, with export's reason
+        return describe_failure(e, module)
+    exported = _torch_private.exported_module(ep)
+    gm = _plain_graph_module(exported, type(module).__name__)
+    call = CallSpec.from_export(gm, ep.range_constraints, kwargs)
+    return Exported(gm, call, {path: m.training for path, m in module.named_modules()})
+
+
+def _plain_graph_module(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:
+    """`exported` as a plain GraphModule, without export's forward hooks (see module docstring)."""
+    gm = fx.GraphModule(exported, exported.graph, class_name)
+    gm.meta.update(exported.meta)
+    return gm
+
+
+def describe_failure(e: BaseException, module: torch.nn.Module) -> str:
+    """Export's own reason, where it happened in the user's code, shortened at a word boundary."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    message = " ".join(lines[0].split()) if lines else type(e).__name__
+    reason = textwrap.shorten(f"{type(e).__name__}: {message}", _REASON_WIDTH, placeholder=" ...")
+    return f"{reason} ({user_code_location(e, module)})"
+
+
+def user_code_location(e: BaseException, module: torch.nn.Module) -> str:
+    """`at file.py:123: <code>` of the innermost frame of the user's code in `e`'s traceback, else where `module.forward` is."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith((_TORCH_DIR, _FXOPT_DIR)) and "<" not in f.filename]
+    if frames:
+        frame = frames[-1]
+        return f"at {frame.filename}:{frame.lineno}: {frame.line}" if frame.line else f"at {frame.filename}:{frame.lineno}"
+    forward = inspect.unwrap(type(module).forward)
+    try:
+        return f"in {inspect.getsourcefile(forward)}:{inspect.getsourcelines(forward)[1]}"
+    except (OSError, TypeError):
+        return f"in {type(module).__qualname__}.forward"

@@ -1,0 +1,226 @@
+"""What `fxopt.optimize` returns: the model, optimized for its current state, guarded on every call.
+
+An `OptimizedModule` stands for one model (`original`: the caller's model in training, a
+private copy in inference). It shares that model's parameter, buffer and submodule dicts, so
+`state_dict()` keys, `named_parameters()`, optimizers, `load_state_dict`, hooks registered on
+`result.layer1`, `.train()` / `.eval()` / `requires_grad_()` all act on the model it stands for.
+
+It keeps optimized variants of that model, each with the guards (fxopt/guards.py) its capture
+and passes relied on. Each call checks the current variant's guards (microseconds) and runs it;
+when one no longer holds, the call does the right thing without the user doing anything:
+
+  - another cached variant whose guards hold runs (alternating train()/eval() optimizes each
+    state once);
+  - a change of the model's state (train/eval flags, requires_grad, a replaced module or
+    parameter, weights a variant baked in) optimizes the model again for the new state;
+  - a hook added to the model, a call unlike the example (another shape, dtype, flag), or a state
+    fxopt cannot optimize runs the original model, as written;
+
+and warns once per assumption and action, naming what changed and what fxopt did; the report
+counts each (`fxopt_report.guard_events`). A variant whose baked values were overwritten can never
+be valid again and is dropped. At most `MAX_VARIANTS` are kept; beyond that the original runs.
+
+`.to()` / `.half()` / `.double()` / `.cuda()` convert the original and every variant (whatever
+the call may run), then re-read the guards' tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..passes.base import INFERENCE, TRAINING
+from ..guards import CALL, HOOKS, SAME_VALUE, BoundGuards, Guard, GuardSet, model_state_guards
+
+MAX_VARIANTS = 8
+MAX_VALUE_REOPTIMIZATIONS = 3  # weights overwritten more often than this: stop baking them, run the original
+
+RAN_ORIGINAL = "ran the original model"
+REOPTIMIZED = "optimized the model again for its new state"
+REUSED = "switched to the variant it had already optimized for this state"
+
+# A failed guard of these kinds sends the call to the original model rather than to a new optimization.
+_RUN_ORIGINAL_KINDS = (CALL, HOOKS)
+
+
+@dataclasses.dataclass
+class Variant:
+    """One optimized form of the model, and the facts it is valid under."""
+
+    module: torch.nn.Module  # what runs: an optimized module (or the original, for a state fxopt cannot optimize)
+    guards: GuardSet
+    report: Any = None  # the pipeline's Report for this variant
+    bound: BoundGuards | None = None  # guards resolved against the original (rebuilt after unpickling)
+
+
+class OptimizedModule(torch.nn.Module):
+    """See the module docstring. `graph_module` is the variant in use; `original` the fallback."""
+
+    def __init__(self, original: torch.nn.Module, first: Variant, rebuild: Callable[..., Variant], settings: dict):
+        super().__init__()
+        d = self.__dict__
+        d["original"] = original
+        # The model's own dicts, shared (not copied): its state and submodules are the result's.
+        d.update(_parameters=original._parameters, _buffers=original._buffers, _modules=original._modules,
+                 _non_persistent_buffers_set=original._non_persistent_buffers_set)
+        first.bound = first.guards.bind(original)  # now: the state the variant was built for
+        d["_variants"] = [first]
+        d["_rebuild"] = rebuild  # (original, args, kwargs, settings) -> Variant
+        d["_settings"] = settings
+        d["_warned"] = set()
+        d["_value_reoptimizations"] = 0
+        self.fxopt_report = first.report
+        if first.report is not None:
+            first.report.guards = list(first.guards)
+
+    # ---- the per-call check ------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        variant = self._variants[0] if self._variants else None
+        if variant is not None and _bound(variant, self.original).first_failure(args, kwargs) is None:
+            return _run(variant, args, kwargs)
+        return self._call_after_guard_failure(args, kwargs)
+
+    def _call_after_guard_failure(self, args: tuple, kwargs: dict):
+        failed: Guard | None = None
+        for i, variant in enumerate(list(self._variants)):
+            failure = _bound(variant, self.original).first_failure(args, kwargs)
+            if failure is None:
+                self._variants.insert(0, self._variants.pop(self._variants.index(variant)))
+                if failed is not None:
+                    self._event(failed, REUSED)
+                return _run(variant, args, kwargs)
+            if failed is None:
+                failed = failure
+            if failure.kind == SAME_VALUE:  # its baked values were overwritten: never valid again
+                self._variants.remove(variant)
+        if failed is None or failed.kind in _RUN_ORIGINAL_KINDS or len(self._variants) >= MAX_VARIANTS:
+            self._event(failed, RAN_ORIGINAL)
+            return self.original(*args, **kwargs)
+        if failed.kind == SAME_VALUE:
+            self.__dict__["_value_reoptimizations"] += 1
+            if self._value_reoptimizations > MAX_VALUE_REOPTIMIZATIONS:
+                self._event(failed, f"{RAN_ORIGINAL} (its weights keep changing between calls)")
+                return self.original(*args, **kwargs)
+        variant, error = self._optimize_for_current_state(args, kwargs)
+        if variant is None:
+            self._event(failed, f"{RAN_ORIGINAL} (optimizing it again failed: {error})")
+            return self.original(*args, **kwargs)
+        self._variants.insert(0, variant)
+        self._event(failed, REOPTIMIZED)
+        return _run(variant, args, kwargs)
+
+    def _optimize_for_current_state(self, args: tuple, kwargs: dict) -> tuple[Variant | None, str]:
+        """A new variant for the model as it is now, or (a variant running the original, why not)."""
+        settings = self._settings
+        if settings["mode"] == INFERENCE and any(m.training for m in self.original.modules()):
+            # switched (even one layer) to train(): a training step may follow, so optimize for training
+            settings = {**settings, "mode": TRAINING}
+        try:
+            with _clean_optimization_context():
+                variant = self._rebuild(self.original, args, kwargs, settings)
+            variant.bound = variant.guards.bind(self.original)
+            return variant, ""
+        except Exception as e:  # noqa: BLE001 - whatever fails, the original still computes the right thing
+            reason = f"{type(e).__name__}: {e}".splitlines()[0]
+        # Remember the state, so later calls in it run the original without trying again.
+        guards = GuardSet(model_state_guards(self.original, "fxopt"))
+        self._variants.insert(0, Variant(self.original, guards, bound=guards.bind(self.original)))
+        return None, reason
+
+    def _event(self, guard: Guard | None, action: str) -> None:
+        """Warn once per (assumption, action) and count it in the report."""
+        what = guard.describe() if guard is not None else "no cached variant"
+        who = f" ({guard.owner}: {guard.reason})" if guard is not None and guard.reason else ""
+        key = (what, action)
+        if self.fxopt_report is not None:
+            self.fxopt_report.guard_events[f"{what}: {action}"] += 1
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        warnings.warn(f"fxopt: the optimized model assumed {what}{who}; that no longer holds, so fxopt {action}",
+                      stacklevel=6)  # the line that called the result
+
+    # ---- behaving like the model ---------------------------------------------------------------
+
+    @property
+    def graph_module(self) -> torch.nn.Module:
+        """The optimized module in use (the most recently run variant)."""
+        return self._variants[0].module
+
+    @property
+    def variants(self) -> list[Variant]:
+        return list(self._variants)
+
+    def _get_training(self) -> bool:
+        original = self.__dict__.get("original")
+        return original.training if original is not None else self.__dict__.get("_training", True)
+
+    def _set_training(self, mode: bool) -> None:
+        original = self.__dict__.get("original")
+        if original is not None:
+            original.training = mode
+        else:
+            self.__dict__["_training"] = mode
+
+    training = property(_get_training, _set_training)
+
+    def train(self, mode: bool = True):
+        self.original.train(mode)
+        return self
+
+    def _apply(self, fn, recurse=True):
+        """Convert the original and every variant (`.to()`, `.half()`), then re-read the guards' tensors."""
+        self.original._apply(fn, recurse)
+        for variant in self._variants:
+            if variant.module is not self.original:
+                variant.module._apply(fn, recurse)
+            variant.bound = variant.guards.bind(self.original)  # converted alike: valid for the new tensors
+        return self
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("original")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_variants"] = [dataclasses.replace(v, bound=None) for v in self._variants]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def extra_repr(self) -> str:
+        return f"{type(self.original).__name__}, {len(self._variants)} variant(s)"
+
+
+def _bound(variant: Variant, original: torch.nn.Module) -> BoundGuards:
+    """The variant's guards resolved against `original` (after unpickling: bound at the first call)."""
+    if variant.bound is None:
+        variant.bound = variant.guards.bind(original)
+    return variant.bound
+
+
+def _run(variant: Variant, args: tuple, kwargs: dict):
+    out = variant.module(*args, **kwargs)
+    variant.bound.note_own_writes()
+    return out
+
+
+@contextlib.contextmanager
+def _clean_optimization_context():
+    """Optimize as `fxopt.optimize` would be called: grad enabled, no autocast, the caller's RNG untouched."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda") if devices else ("cpu",):
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield

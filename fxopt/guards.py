@@ -1,0 +1,337 @@
+"""Guards: the facts an optimized graph relies on, as data, and a check cheap enough for every call.
+
+A pass or capture that relies on a fact about the model records one `Guard`: what kind of
+fact, about which module / parameter / input (`target`, a path in the model as the caller
+sees it), the value relied on, who relies on it (`owner`: "capture" or a pass name) and why.
+
+    ctx.guards.add(Guard(TRAIN_MODE, "layer1.0.bn1", False, "fold_conv_bn", "folded into layer1.0.conv1"))
+
+The optimized result binds its `GuardSet` to the model it stands for (`bind(model)`): paths
+are resolved once into the objects to read, grouped by kind, so a call checks a few flat
+lists (`[m.training for m in modules] == expected`, microseconds for hundreds of modules).
+`BoundGuards.first_failure(args, kwargs)` returns None, or the first guard that no longer
+holds, so the result can say which assumption changed.
+
+Kinds (what `expected` holds):
+  TRAIN_MODE     module path     -> bool: `module.training`
+  REQUIRES_GRAD  parameter name  -> bool: `p.requires_grad`
+  HOOKS          module path     -> the hook ids per kind (forward-pre, forward, backward-pre, backward)
+                 at record time, usually all empty; target GLOBAL_HOOKS: torch's global module hooks
+  MODULE         module path     -> class name: the same module object, of the same class, sits at the path
+                 (catches a replaced layer, `torch.nn.utils.parametrize`, old-style weight_norm's class change)
+  SAME_OBJECT    param/buffer    -> None: the same tensor object is registered under that name
+                 (catches `torch.nn.utils.prune`, `module.weight = nn.Parameter(...)`)
+  SAME_VALUE     param/buffer    -> None: the same object with the same storage and version as when
+                 bound (a value baked into the graph; catches `copy_`, optimizer steps, `load_state_dict`,
+                 `p.data = t`; NOT `p.data.mul_()`, which bumps no version counter)
+  CALL           graph path      -> an object with `mismatch(args, kwargs) -> str | None` (None: the
+                 graph may take the call, else why not) and `describe()`: capture's own call check (CallSpec)
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from operator import attrgetter, is_
+from typing import Any
+
+import torch
+
+from . import _torch_private
+
+TRAIN_MODE = "train_mode"
+REQUIRES_GRAD = "requires_grad"
+HOOKS = "hooks"
+MODULE = "module"
+SAME_OBJECT = "same_object"
+SAME_VALUE = "same_value"
+CALL = "call"
+KINDS = (TRAIN_MODE, REQUIRES_GRAD, HOOKS, MODULE, SAME_OBJECT, SAME_VALUE, CALL)
+
+NO_HOOKS = ((), (), (), ())
+GLOBAL_HOOKS = "<global>"  # the HOOKS target for torch's global module hooks
+
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """One fact an optimized graph relies on (see the module docstring for the kinds)."""
+
+    kind: str
+    target: str  # module path, parameter/buffer name, or graph path (CALL)
+    expected: Any
+    owner: str  # "capture" or the name of the pass that relies on it
+    reason: str = ""  # why the owner relies on it, one short sentence
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown guard kind {self.kind!r}; kinds: {', '.join(KINDS)}")
+
+    def describe(self) -> str:
+        """The fact in words: `layer1.0.bn1 in eval mode`."""
+        where = self.target or "the model"
+        if self.kind == TRAIN_MODE:
+            return f"{where} in {'train' if self.expected else 'eval'} mode"
+        if self.kind == REQUIRES_GRAD:
+            return f"{self.target}.requires_grad is {self.expected}"
+        if self.kind == HOOKS:
+            scope = "torch's global module hooks" if self.target == GLOBAL_HOOKS else where
+            return f"no hooks added to or removed from {scope}"
+        if self.kind == MODULE:
+            return f"{where} is the same {self.expected} module"
+        if self.kind == SAME_OBJECT:
+            return f"{self.target} is the same tensor object"
+        if self.kind == SAME_VALUE:
+            return f"{self.target} keeps its value (same tensor, storage and version)"
+        return f"calls like the example ({self.expected.describe()})"
+
+    def to_dict(self) -> dict[str, Any]:
+        expected = self.expected
+        if self.kind == CALL:
+            expected = expected.describe()
+        elif not (expected is None or isinstance(expected, (bool, int, float, str))):
+            expected = repr(expected)
+        return {"kind": self.kind, "target": self.target, "expected": expected, "owner": self.owner,
+                "reason": self.reason, "describe": self.describe()}
+
+
+class GuardSet:
+    """The guards of one optimized model, in the order recorded; one per (kind, target): the first,
+    so a pass's or capture's specific reason wins over the whole-model default."""
+
+    def __init__(self, guards: Iterable[Guard] = ()):
+        self._guards: dict[tuple, Guard] = {}
+        self.extend(guards)
+
+    def add(self, guard: Guard) -> None:
+        self._guards.setdefault((guard.kind, guard.target), guard)
+
+    def extend(self, guards: Iterable[Guard]) -> None:
+        for g in guards:
+            self.add(g)
+
+    def __iter__(self) -> Iterator[Guard]:
+        return iter(self._guards.values())
+
+    def __len__(self) -> int:
+        return len(self._guards)
+
+    def bind(self, model: torch.nn.Module) -> BoundGuards:
+        return BoundGuards(list(self), model)
+
+    def summary(self) -> list[tuple[str, str, int, str]]:
+        """(owner, kind, how many, first target) per owner and kind, for the report."""
+        groups: dict[tuple[str, str], list[Guard]] = {}
+        for g in self:
+            groups.setdefault((g.owner, g.kind), []).append(g)
+        return [(owner, kind, len(gs), gs[0].describe()) for (owner, kind), gs in groups.items()]
+
+
+# Why an optimized model relies on each part of the model's state (the whole-model default guards).
+STATE_REASONS = {
+    TRAIN_MODE: "the graph was captured in this mode (batch_norm's training and dropout's train are baked in)",
+    MODULE: "the graph inlines this module's code",
+    HOOKS: "hooks added later would not run inside the graph",
+    REQUIRES_GRAD: "passes decided what keeps a gradient from requires_grad",
+    SAME_OBJECT: "the graph reads this tensor object",
+    SAME_VALUE: "inference passes may bake its value into the graph (folded weights)",
+}
+
+
+def model_state_guards(model: torch.nn.Module, owner: str, *, values: bool = False) -> list[Guard]:
+    """Guards on the whole state of `model` as it is now: every module's mode, class and hooks,
+    every parameter's identity and `requires_grad`, and with `values` every parameter's and
+    buffer's value (for a graph that baked them in). Reasons: STATE_REASONS."""
+    def guard(kind, target, expected):
+        return Guard(kind, target, expected, owner, STATE_REASONS[kind])
+
+    guards = [guard(HOOKS, GLOBAL_HOOKS, _hook_ids(None))]
+    for path, module in model.named_modules(remove_duplicate=False):
+        guards += [guard(TRAIN_MODE, path, module.training), guard(MODULE, path, type(module).__qualname__),
+                   guard(HOOKS, path, _hook_ids(module))]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        guards += [guard(REQUIRES_GRAD, name, p.requires_grad), guard(SAME_VALUE if values else SAME_OBJECT, name, None)]
+    if values:
+        guards += [guard(SAME_VALUE, name, None) for name, _ in model.named_buffers(remove_duplicate=False)]
+    return guards
+
+
+# ---- reading the model --------------------------------------------------------------------
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _hook_dicts(module: torch.nn.Module | None) -> list[dict]:
+    """The four hook dicts of `module`, or torch's global module hook dicts for None."""
+    if module is None:
+        return _torch_private.global_module_hook_dicts()
+    return [getattr(module, name, {"missing module": None}) for name in _HOOK_DICTS]
+
+
+def _hook_ids(module: torch.nn.Module | None) -> tuple:
+    return tuple(tuple(d) for d in _hook_dicts(module))
+
+
+def _resolve_tensor(model: torch.nn.Module, name: str) -> tuple[dict, str]:
+    """(the `_parameters` or `_buffers` dict holding `name`, the key in it)."""
+    owner_path, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    return (owner._parameters if attr in owner._parameters else owner._buffers), attr
+
+
+def _module_slot(model: torch.nn.Module, path: str) -> tuple[dict, str]:
+    """(the `_modules` dict of the parent of `path`, the key): where a replaced submodule would go.
+
+    The root has no parent; a one-entry dict holding it stands in, so its class is still checked.
+    """
+    if not path:
+        return {"": model}, ""
+    parent_path, _, attr = path.rpartition(".")
+    try:
+        return model.get_submodule(parent_path)._modules, attr
+    except AttributeError:
+        return {}, attr
+
+
+class _Unresolvable:
+    """Stands in for an object a guard names but the model no longer has: every check of it fails."""
+
+    training = requires_grad = _version = object()
+
+
+class BoundGuards:
+    """Guards resolved against one model: `first_failure()` is the per-call check.
+
+    Each kind becomes one flat list of objects to read and one list of expected values, so a
+    call compares a handful of lists. Only on a mismatch does it look for which guard failed.
+    """
+
+    def __init__(self, guards: list[Guard], model: torch.nn.Module):
+        self.guards = guards
+        self.model = model
+        by_kind: dict[str, list[Guard]] = {k: [] for k in KINDS}
+        for g in guards:
+            by_kind[g.kind].append(g)
+        self._by_kind = by_kind
+        self._modules = [self._module(g.target) for g in by_kind[TRAIN_MODE]]
+        self._training = [g.expected for g in by_kind[TRAIN_MODE]]
+        self._params = [self._tensor(g.target) for g in by_kind[REQUIRES_GRAD]]
+        self._requires_grad = [g.expected for g in by_kind[REQUIRES_GRAD]]
+        self._hook_dicts_per_guard = [_hook_dicts(None if g.target == GLOBAL_HOOKS else self._module(g.target))
+                                      for g in by_kind[HOOKS]]
+        self._hooks_empty, self._hooks_kept, self._hooks_kept_expected = [], [], []
+        for g, dicts in zip(by_kind[HOOKS], self._hook_dicts_per_guard):
+            for d, ids in zip(dicts, g.expected):
+                if ids:
+                    self._hooks_kept.append(d)
+                    self._hooks_kept_expected.append(ids)
+                else:
+                    self._hooks_empty.append(d)
+        slots = [_module_slot(model, g.target) for g in by_kind[MODULE]]
+        self._slot_dicts = [slot for slot, _ in slots]
+        self._slot_keys = [key for _, key in slots]
+        self._slot_modules = list(map(dict.get, self._slot_dicts, self._slot_keys))
+        self._slot_types = [type(m) for m in self._slot_modules]
+        objects = [_resolve_tensor_safe(model, g.target) for g in by_kind[SAME_OBJECT]]
+        self._object_holders = [holder for holder, _ in objects]
+        self._object_keys = [key for _, key in objects]
+        self._object_expected = list(map(dict.get, self._object_holders, self._object_keys))
+        values = [_resolve_tensor_safe(model, g.target) for g in by_kind[SAME_VALUE]]
+        self._value_holders = [holder for holder, _ in values]
+        self._value_keys = [key for _, key in values]
+        self._calls = [g.expected for g in by_kind[CALL]]
+        self.refresh_values()
+
+    def _module(self, path: str):
+        try:
+            return self.model.get_submodule(path)
+        except AttributeError:
+            return _Unresolvable()
+
+    def _tensor(self, name: str):
+        holder, key = _resolve_tensor_safe(self.model, name)
+        value = holder.get(key)
+        return value if value is not None else _Unresolvable()
+
+    def note_own_writes(self) -> None:
+        """After a call of the guarded graph: its own in-place writes (a counter buffer it
+        increments) are part of what it computes, not a change by the user. Only versions move."""
+        if self._value_tensors:
+            self._value_versions = list(map(_torch_private.tensor_version, self._value_tensors))
+
+    def refresh_values(self) -> None:
+        """Record the current object, storage and version of every SAME_VALUE tensor."""
+        self._value_tensors = [t if t is not None else _Unresolvable()
+                               for t in map(dict.get, self._value_holders, self._value_keys)]
+        self._value_versions = list(map(_torch_private.tensor_version, self._value_tensors))
+        self._value_pointers = list(map(_data_pointer, self._value_tensors))
+
+    def _values_unchanged(self) -> bool:
+        return (all(map(is_, map(dict.get, self._value_holders, self._value_keys), self._value_tensors))
+                and list(map(_torch_private.tensor_version, self._value_tensors)) == self._value_versions
+                and list(map(_data_pointer, self._value_tensors)) == self._value_pointers)
+
+    def first_failure(self, args: tuple = (), kwargs: dict | None = None) -> Guard | None:
+        """None if every guard holds for this call, else the first one that does not."""
+        if (list(map(_training, self._modules)) == self._training
+                and list(map(_requires_grad, self._params)) == self._requires_grad
+                and not any(self._hooks_empty)
+                and list(map(tuple, self._hooks_kept)) == self._hooks_kept_expected
+                and all(map(is_, map(dict.get, self._slot_dicts, self._slot_keys), self._slot_modules))
+                and list(map(type, self._slot_modules)) == self._slot_types
+                and all(map(is_, map(dict.get, self._object_holders, self._object_keys), self._object_expected))
+                and (not self._value_tensors or self._values_unchanged())
+                and all(spec.mismatch(args, kwargs) is None for spec in self._calls)):
+            return None
+        return self._find_failure(args, kwargs or {})
+
+    def untrue_now(self) -> list[Guard]:
+        """Guards, other than call checks, that do not hold on the model right now (for the state a
+        graph was just built for, a recording mistake: a target the model does not have)."""
+        return [g for g in self.guards if g.kind != CALL and not BoundGuards([g], self.model)._holds()]
+
+    def _holds(self) -> bool:
+        return self._find_failure((), {}) is None
+
+    def _find_failure(self, args: tuple, kwargs: dict) -> Guard | None:
+        """The guard that failed (slow path, only after `first_failure`'s fast check found one)."""
+        b = self._by_kind
+        for g, m in zip(b[TRAIN_MODE], self._modules):
+            if m.training != g.expected:
+                return g
+        for g, p in zip(b[REQUIRES_GRAD], self._params):
+            if p.requires_grad != g.expected:
+                return g
+        for g, dicts in zip(b[HOOKS], self._hook_dicts_per_guard):
+            if tuple(tuple(d) for d in dicts) != g.expected:
+                return g
+        for g, slot, key, m, cls in zip(b[MODULE], self._slot_dicts, self._slot_keys, self._slot_modules,
+                                        self._slot_types):
+            if slot.get(key) is not m or type(m) is not cls:
+                return g
+        for g, holder, key, t in zip(b[SAME_OBJECT], self._object_holders, self._object_keys, self._object_expected):
+            if holder.get(key) is not t:
+                return g
+        for g, holder, key, t, version, pointer in zip(b[SAME_VALUE], self._value_holders, self._value_keys,
+                                                       self._value_tensors, self._value_versions,
+                                                       self._value_pointers):
+            if holder.get(key) is not t or _torch_private.tensor_version(t) != version or _data_pointer(t) != pointer:
+                return g
+        for g in b[CALL]:
+            if g.expected.mismatch(args, kwargs) is not None:
+                return g
+        return None
+
+
+def _resolve_tensor_safe(model: torch.nn.Module, name: str) -> tuple[dict, str]:
+    try:
+        return _resolve_tensor(model, name)
+    except AttributeError:
+        return {}, name
+
+
+_training = attrgetter("training")
+_requires_grad = attrgetter("requires_grad")
+
+
+def _data_pointer(t) -> int:
+    """Where a tensor's data lives: `p.data = other` changes it without bumping the version."""
+    return t.data_ptr() if isinstance(t, torch.Tensor) else -1

@@ -1,0 +1,63 @@
+"""A copy of a model that shares no state with it, for inference results.
+
+`copy.deepcopy` first. Some models cannot be deep-copied: a `threading.Lock` attribute, a
+file handle, old-style `torch.nn.utils.weight_norm` (its computed `weight` is a non-leaf tensor,
+which deepcopy refuses). Those get a structural copy: every module object is copied, with its
+own parameter / buffer / submodule / hook dicts, every tensor (parameters, buffers, plain tensor
+attributes) cloned once (tied weights stay tied), and other attributes (the lock, a config
+object) shared. If even that fails, FxoptError: an inference result never silently shares the
+caller's model.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .errors import FxoptError
+
+
+def independent_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` with its own modules and tensors (see module docstring)."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as deep_error:  # noqa: BLE001 - any object deepcopy refuses
+        try:
+            return _copy_module(model, {})
+        except Exception as e:  # noqa: BLE001
+            raise FxoptError(
+                f"fxopt.optimize needs its own copy of {type(model).__name__} for an inference result (so that "
+                f".to(), .half() or .train() on the result leave your model alone), but it cannot be copied: "
+                f"deepcopy failed ({type(deep_error).__name__}: {deep_error}) and so did copying its modules and "
+                f"tensors ({type(e).__name__}: {e}). Pass a copy you made yourself, or mode='training' "
+                f"(which shares the model's parameters by design)") from e
+
+
+def _copy_tensor(t: torch.Tensor, memo: dict) -> torch.Tensor:
+    if id(t) not in memo:
+        data = t.detach().clone()
+        memo[id(t)] = torch.nn.Parameter(data, requires_grad=t.requires_grad) \
+            if isinstance(t, torch.nn.Parameter) else data
+    return memo[id(t)]
+
+
+def _copy_value(key: str, value, memo: dict):
+    """A module attribute in the copy: tensors cloned, containers fxopt or torch mutate copied, the rest shared."""
+    if isinstance(value, torch.Tensor):
+        return _copy_tensor(value, memo)
+    if key in ("_parameters", "_buffers"):
+        return {name: None if t is None else _copy_tensor(t, memo) for name, t in value.items()}
+    if key == "_modules":
+        return {name: None if m is None else _copy_module(m, memo) for name, m in value.items()}
+    if isinstance(value, (dict, set)) and key.startswith("_"):  # hook dicts, _non_persistent_buffers_set
+        return type(value)(value)
+    return value
+
+
+def _copy_module(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
+    if id(module) in memo:
+        return memo[id(module)]
+    clone = object.__new__(type(module))
+    memo[id(module)] = clone
+    clone.__dict__.update({key: _copy_value(key, value, memo) for key, value in module.__dict__.items()})
+    return clone

@@ -1,0 +1,94 @@
+"""The analyses on torch.export's ATen graphs: aliasing from op schemas, effects of ATen ops.
+
+Each case is a small hand-written graph of ATen overloads (the form `fxopt.optimize` captures),
+so the rule under test is the only thing that decides the answer.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from fxopt.analysis.aliasing import AliasInfo, returns_several_views
+from fxopt.analysis.side_effects import IO, MUTATION, NO_EFFECTS, RNG, STATS, effects, removable_if_unused
+
+aten = torch.ops.aten
+
+
+def graph_of(build) -> tuple[fx.GraphModule, dict[str, fx.Node]]:
+    """`build(graph, x, y, buffer)` adds nodes and returns {name: node}; the graph returns x."""
+    root = torch.nn.Module()
+    root.register_buffer("buffer", torch.zeros(4))
+    graph = fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    buffer = graph.get_attr("buffer")
+    nodes = build(graph, x, y, buffer)
+    graph.output(x)
+    return fx.GraphModule(root, graph), nodes
+
+
+def test_views_alias_their_base_and_copies_do_not():
+    """`aten.view`/`aten.slice` (schema `Tensor(a)`) share storage with their input; `aten.clone` does not."""
+    gm, n = graph_of(lambda g, x, y, b: {
+        "view": g.call_function(aten.view.default, (x, [-1])),
+        "slice": g.call_function(aten.slice.Tensor, (x, 0, 0, 2)),
+        "clone": g.call_function(aten.clone.default, (y,)),
+    })
+    aliases = AliasInfo(gm)
+    x, y = (next(p for p in gm.graph.nodes if p.name == name) for name in "xy")
+    assert {n["view"], n["slice"], x} <= set(aliases.aliases(x))
+    assert n["clone"] not in aliases.aliases(y)
+
+
+def test_in_place_and_out_results_alias_the_tensor_they_write():
+    """`aten.add_` aliases `self`; `aten.add.out` aliases its `out=` argument, not its first input."""
+    gm, n = graph_of(lambda g, x, y, b: {
+        "add_": g.call_function(aten.add_.Tensor, (x, y)),
+        "out": g.call_function(aten.add.out, (x, x), {"out": y}),
+    })
+    aliases = AliasInfo(gm)
+    x, y = (next(p for p in gm.graph.nodes if p.name == name) for name in "xy")
+    assert n["add_"] in aliases.aliases(x)
+    assert n["out"] in aliases.aliases(y)
+    assert MUTATION in effects(n["add_"], gm) and MUTATION in effects(n["out"], gm)
+
+
+def test_split_returns_several_views():
+    """`aten.split` returns a list of views of one tensor: none of them may be written in place."""
+    gm, n = graph_of(lambda g, x, y, b: {"split": g.call_function(aten.split.Tensor, (x, 2))})
+    assert returns_several_views(n["split"], gm)
+
+
+def test_copy_into_a_buffer_is_a_mutation():
+    """export's writeback `aten.copy_(buffer, value)` writes the buffer: never dead code."""
+    gm, n = graph_of(lambda g, x, y, b: {"copy_": g.call_function(aten.copy_.default, (b, x))})
+    assert effects(n["copy_"], gm) == {MUTATION} and not removable_if_unused(n["copy_"], gm)
+
+
+@pytest.mark.parametrize("training, expected", [(True, {STATS}), (False, NO_EFFECTS)])
+def test_batch_norm_updates_statistics_only_in_training(training, expected):
+    """`aten.batch_norm(..., training=True)` updates its running statistics, though its schema writes nothing."""
+    gm, n = graph_of(lambda g, x, y, b: {
+        "bn": g.call_function(aten.batch_norm.default, (x, None, None, b, b, training, 0.1, 1e-5, False))})
+    assert effects(n["bn"], gm) == expected
+
+
+def test_batch_norm_without_running_statistics_has_no_effect():
+    """A train-mode batch_norm given no running statistics writes nothing."""
+    gm, n = graph_of(lambda g, x, y, b: {
+        "bn": g.call_function(aten.batch_norm.default, (x, None, None, None, None, True, 0.1, 1e-5, False))})
+    assert effects(n["bn"], gm) == NO_EFFECTS
+
+
+@pytest.mark.parametrize("train, expected", [(True, {RNG}), (False, NO_EFFECTS)])
+def test_dropout_draws_only_in_training(train, expected):
+    """`aten.dropout(x, p, train=False)` returns its input and draws nothing; with train=True it draws."""
+    gm, n = graph_of(lambda g, x, y, b: {"drop": g.call_function(aten.dropout.default, (x, 0.5, train))})
+    assert effects(n["drop"], gm) == expected
+
+
+def test_export_metadata_assert_is_kept():
+    """`aten._assert_tensor_metadata` checks a dtype: an assertion, kept by dead-code elimination."""
+    gm, n = graph_of(lambda g, x, y, b: {
+        "check": g.call_function(aten._assert_tensor_metadata.default, (x,), {"dtype": torch.float32})})
+    assert IO in effects(n["check"], gm)

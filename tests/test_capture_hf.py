@@ -1,0 +1,168 @@
+"""Capture targets: Hugging Face models built from small configs, called as users call them.
+
+Each must come back as one graph with no opaque module and every parameter in the graph, in
+inference and in training, computing eager's outputs, gradients and buffers; results must
+survive torch.save / torch.load; reports name sites by module path. (Issue #10's targets; the
+optimize-time and latency targets are in benchmarks/capture.py.)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import transformers
+
+import fxopt
+from equivalence import assert_same_step, assert_state_unchanged, state_snapshot
+from fxopt.capture import capture
+from fxopt.capture.naming import module_path
+from test_capture import check_shares_parameters, randomize_bn
+
+IMAGE = (torch.randn(2, 3, 32, 32),)
+TOKENS = (torch.randint(0, 100, (2, 8)),)
+SMALL_TEXT = dict(vocab_size=100)
+
+
+def hf_resnet():
+    return transformers.ResNetModel(transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]))
+
+
+def hf_mobilenet_v2():
+    return transformers.MobileNetV2Model(transformers.MobileNetV2Config(image_size=32, depth_multiplier=0.25))
+
+
+def hf_convnext():
+    return transformers.ConvNextModel(transformers.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2))
+
+
+def hf_vit():
+    return transformers.ViTModel(transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                                        num_attention_heads=2, intermediate_size=128))
+
+
+def hf_bert():
+    return transformers.BertModel(transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                                          intermediate_size=128, max_position_embeddings=32, **SMALL_TEXT))
+
+
+def hf_gpt2():
+    return transformers.GPT2Model(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=32,
+                                                          use_cache=False, **SMALL_TEXT))
+
+
+HEAVY = pytest.mark.slow  # 5-20 s each on 2 cores: CI's second step (`make test-slow`)
+TARGETS = [
+    pytest.param(hf_resnet, IMAGE, id="resnet"),
+    pytest.param(hf_mobilenet_v2, IMAGE, id="mobilenet_v2", marks=HEAVY),
+    pytest.param(hf_convnext, IMAGE, id="convnext", marks=HEAVY),
+    pytest.param(hf_vit, IMAGE, id="vit", marks=HEAVY),
+    pytest.param(hf_bert, TOKENS, id="bert"),
+    pytest.param(hf_gpt2, TOKENS, id="gpt2", marks=HEAVY),
+]
+
+
+def graph_parameters(gm: fx.GraphModule) -> set[str]:
+    """Qualified names of the parameters the graph reads."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    return {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in params}
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+@pytest.mark.parametrize("make_model, inputs", TARGETS)
+def test_one_graph_every_parameter_equal_to_eager(make_model, inputs, mode):
+    """One graph, nothing opaque, 100% of the parameters in it; outputs (and in training gradients and buffers) equal eager."""
+    torch.manual_seed(0)
+    model = make_model().train(mode == "training")
+    (graph,) = capture(model, inputs).graphs  # before any pass (folding replaces parameters)
+    assert graph_parameters(graph.gm) == {name for name, _ in model.named_parameters()}
+    optimized = fxopt.optimize(model, inputs, mode=mode)
+    report = optimized.fxopt_report
+    assert report.graphs == [""] and report.opaque == []
+    assert_same_step(model, optimized, inputs, training=mode == "training")
+
+
+def test_model_output_type_comes_back():
+    """Users index a ModelOutput by attribute and position: the result returns the same type."""
+    model = hf_resnet().eval()
+    x = IMAGE[0]
+    expected, got = model(x), fxopt.optimize(model, x)(x)
+    assert type(got) is type(expected)
+    torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state)
+    torch.testing.assert_close(got[1], expected[1])
+
+
+def test_sites_are_named_by_module_path():
+    """BERT's query projection is `encoder.layer.1.attention.self.query`, as the model names it."""
+    model = hf_bert().eval()
+    optimized = fxopt.optimize(model, TOKENS, passes=[])
+    paths = {module_path(n) for n in optimized.graph_module.graph.nodes if n.op == "call_function"}
+    assert {"encoder.layer.1.attention.self.query", "encoder.layer.0.output.LayerNorm", "pooler.dense"} <= paths
+
+
+def test_other_sequence_length_and_batch():
+    """BERT exported at (2, 8): batch 3 runs the graph; length 12 is not wrong and raises nothing."""
+    torch.manual_seed(0)
+    model = hf_bert().eval()
+    optimized = fxopt.optimize(model, TOKENS)
+    for ids in (torch.randint(0, 100, (3, 8)), torch.randint(0, 100, (2, 12))):
+        torch.testing.assert_close(optimized(ids).last_hidden_state, model(ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("mode, budget", [("inference", None), ("training", None),
+                                          pytest.param("training", 0.5, marks=HEAVY)])
+@pytest.mark.parametrize("make_model, inputs", [(hf_bert, TOKENS), (hf_resnet, IMAGE)], ids=["bert", "resnet"])
+def test_save_and_load_real_models(make_model, inputs, mode, budget, tmp_path):
+    """torch.save / torch.load(weights_only=False) of a result gives a model computing the same step."""
+    torch.manual_seed(0)
+    model = make_model().train(mode == "training")
+    options = {} if budget is None else {"memory_budget": budget}
+    optimized = fxopt.optimize(model, inputs, mode=mode, **options)
+    torch.save(optimized, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert_same_step(optimized, loaded, inputs, training=mode == "training")
+    assert_same_step(model, loaded, inputs, training=mode == "training")
+
+
+@pytest.mark.parametrize("make_model, min_folds", [(hf_resnet, 8), pytest.param(hf_mobilenet_v2, 20, marks=HEAVY)],
+                         ids=["resnet", "mobilenet_v2"])
+def test_hugging_face_cnns_are_folded(make_model, min_folds):
+    """Every Conv+BN pair of HF ResNet / MobileNetV2 (shape checks, `int()` of sizes, TF padding) is folded in the one graph."""
+    torch.manual_seed(0)
+    model = randomize_bn(make_model()).eval()
+    optimized = fxopt.optimize(model, IMAGE, passes=["fold_conv_bn"])
+    assert optimized.fxopt_report["fold_conv_bn"].stats["folded"] >= min_folds
+    assert_same_step(model, optimized, IMAGE, training=False)
+
+
+def test_hugging_face_resnet_fine_tuning_with_frozen_batch_norm_folds_on_the_fly():
+    """Training with eval-mode BNs (fine-tuning) folds every pair in the graph; gradients and buffers still match."""
+    torch.manual_seed(0)
+    model = randomize_bn(hf_resnet()).train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.eval()
+    optimized = fxopt.optimize(model, IMAGE, passes=["fold_conv_bn"])
+    assert optimized.fxopt_report.mode == "training"
+    assert optimized.fxopt_report["fold_conv_bn"].stats["folded"] == 8
+    assert_same_step(model, optimized, IMAGE, training=True)
+
+
+@pytest.mark.parametrize("make_model, inputs", [(hf_resnet, IMAGE), (hf_bert, TOKENS)], ids=["resnet", "bert"])
+def test_training_result_shares_parameters_and_state_dict_keys(make_model, inputs):
+    """Training mode: the same Parameter and buffer objects and the same state_dict keys, loadable both ways."""
+    torch.manual_seed(0)
+    model = make_model().train()
+    check_shares_parameters(model, fxopt.optimize(model, inputs, mode="training", passes=["fold_conv_bn"]))
+
+
+@pytest.mark.parametrize("make_model, inputs", [pytest.param(hf_mobilenet_v2, IMAGE, marks=HEAVY), (hf_bert, TOKENS)],
+                         ids=["mobilenet_v2", "bert"])
+def test_inference_never_modifies_the_callers_model(make_model, inputs):
+    """Optimizing and running the result leaves the caller's state and its inputs as they were."""
+    torch.manual_seed(0)
+    model = randomize_bn(make_model()).eval()
+    snapshot = state_snapshot(model)
+    inputs_before = [x.clone() for x in inputs]
+    fxopt.optimize(model, inputs, mode="inference")(*inputs)
+    assert_state_unchanged(model, snapshot)
+    assert all(torch.equal(a, b) for a, b in zip(inputs_before, inputs))
