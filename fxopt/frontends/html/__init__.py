@@ -50,8 +50,11 @@ class PageRecorder:
         """Measure the step before (the caller's model) and after (fxopt's result), write the page; return
         where the time went (`phase_times`)."""
         start = time.perf_counter()
+        # The variant in use, not the guarded wrapper: the timeline's attribution hooks would trip the
+        # wrapper's hook guard and measure the original model instead.
+        in_use = getattr(optimized, "graph_module", optimized)
         timelines = [measure_timeline(model, self.inputs, self.training, "before fxopt"),
-                     measure_timeline(optimized, self.inputs, self.training, "after fxopt")]
+                     measure_timeline(in_use, self.inputs, self.training, "after fxopt")]
         self.after_seconds += time.perf_counter() - start
         report = optimized.fxopt_report
         timings = phase_times(optimize_seconds, report, costs, self)

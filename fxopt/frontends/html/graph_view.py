@@ -20,7 +20,7 @@ import html
 import math
 
 from ...passes.base import Site
-from .snapshots import NodeView
+from .snapshots import NodeView, normalize_path
 
 MAX_UNITS = 40
 MASK_ACTIONS = {"masked": "bool mask"}
@@ -149,6 +149,8 @@ def _marks(units: list[Unit], nodes: list[NodeView], sites: list[Site],
         if not where and site.node in previous:
             path = previous[site.node].path
             where = {j for j, u in enumerate(units) if u.is_group and path[:len(u.key)] == u.key}
+        if not where and (path := normalize_path(site.node)):  # a site named by module path (torch.export)
+            where = {k for k, u in enumerate(units) if any(nodes[i].path[:len(path)] == path for i in u.members)}
         for k in sorted(where):  # units never nest, so a removed node's module is one unit at most
             (marks[k].refused if site.refused else marks[k].changed).append(site)
             badge = MASK_ACTIONS.get(site.action) or NOT_SAVED_ACTIONS.get(site.action)
