@@ -296,7 +296,7 @@ def generate(seed: int, attempt: int = 0) -> Case:
 @dataclasses.dataclass
 class Outcome:
     seed: int
-    status: str  # ok, mismatch, crash
+    status: str  # ok, mismatch, crash, known (a bug listed in KNOWN)
     detail: str = ""
     stats: dict = dataclasses.field(default_factory=dict)  # pass -> {stat: count}
     seconds: float = 0.0
@@ -319,8 +319,8 @@ def valid_case(seed: int) -> Case:
     raise RuntimeError(f"seed {seed}: eager rejected 20 draws")
 
 
-def check(case: Case) -> Outcome:
-    """Optimize `case` and compare with eager; never raises."""
+def check(case: Case, passes: list[str] | None = None) -> Outcome:
+    """Optimize `case` (default pipeline, or `passes`) and compare with eager; never raises."""
     import fxopt
     from fxopt.pipeline.verify import max_difference, run_step
 
@@ -330,7 +330,7 @@ def check(case: Case) -> Outcome:
     start = time.perf_counter()
     stage = "optimize"
     try:
-        optimized = fxopt.optimize(case.net, case.inputs, mode=case.mode, **case.options)
+        optimized = fxopt.optimize(case.net, case.inputs, mode=case.mode, passes=passes, **options_for(case, passes))
         stats = {p["name"]: p["stats"] for p in optimized.fxopt_report.to_dict()["passes"]}
         stage = "caller's model"
         leftover = [n for n, p in case.net.named_parameters() if p.grad is not None]
@@ -342,7 +342,8 @@ def check(case: Case) -> Outcome:
         candidates = [("optimized", optimized)]
         if case.reoptimize:
             stage = "re-optimize"
-            candidates.append(("re-optimized", fxopt.optimize(optimized, case.inputs, mode=case.mode, **case.options)))
+            candidates.append(("re-optimized", fxopt.optimize(optimized, case.inputs, mode=case.mode, passes=passes,
+                                                              **options_for(case, passes))))
             leftover = [n for n, p in case.net.named_parameters() if p.grad is not None]
             if leftover:
                 return Outcome(case.seed, "mismatch", f"re-optimize() left .grad on the parameters: {leftover}")
@@ -359,6 +360,46 @@ def check(case: Case) -> Outcome:
     return Outcome(case.seed, "ok", stats=stats, seconds=time.perf_counter() - start)
 
 
+def options_for(case: Case, passes: list[str] | None) -> dict:
+    """The case's pass options that the selected passes take."""
+    from fxopt.pipeline.pipelines import DEFAULT_PIPELINES
+    from fxopt.passes import PASSES
+    names = DEFAULT_PIPELINES[case.mode] if passes is None else passes
+    taken = {opt for n in names for opt in PASSES[n]().options}
+    return {k: v for k, v in case.options.items() if k in taken}
+
+
+def blame(case: Case, outcome: Outcome) -> str:
+    """The pass whose removal from the pipeline makes the failure go away ("" if none alone does)."""
+    from fxopt.pipeline.pipelines import DEFAULT_PIPELINES
+    for name in DEFAULT_PIPELINES[case.mode]:
+        rest = [p for p in DEFAULT_PIPELINES[case.mode] if p != name]
+        if "memory_budget" not in case.options and "checkpoint_activations" in rest:
+            rest.remove("checkpoint_activations")
+        if check(case, rest).status == "ok":
+            return name
+    return ""
+
+
+# Bugs already known, each with where it is tracked: (pass blamed, text in the failure, what it is).
+# A finding that matches is reported as known and does not fail the run; delete an entry once its fix
+# is merged (the matching xfail test in tests/test_fuzz_findings.py then fails as XPASS, as a reminder).
+KNOWN = (
+    ("checkpoint_activations", "not found in storage",
+     "issue #13 (fixed on core): a train-mode BatchNorm recomputed in a selective checkpoint region"),
+    ("inplace_relu", "modified by an inplace operation",
+     "issue #13 (fixed on core): leaky_relu/ELU made in place although the model writes the result in place later"),
+    ("prune_dead_grads", "buffer:",
+     "issue #13 (fixed on core): an unread train-mode F.batch_norm removed with its running-statistics update"),
+    ("checkpoint_activations", "modified by an inplace operation",
+     "found by this fuzzer: a region input written in place after the region; test_fuzz_findings.py"),
+)
+
+
+def known_issue(pass_name: str, detail: str) -> str:
+    return next((what for blamed, text, what in KNOWN if blamed == pass_name and text in detail), "")
+
+
 def run_seed(seed: int) -> Outcome:
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -367,6 +408,12 @@ def run_seed(seed: int) -> Outcome:
     except Exception as e:  # noqa: BLE001
         return Outcome(seed, "crash", f"generator: {e}")
     outcome = check(case)
+    if outcome.status != "ok":
+        culprit = blame(case, outcome)
+        outcome.detail = f"[pass: {culprit or 'not one pass alone'}] {outcome.detail}"
+        known = known_issue(culprit, outcome.detail)
+        if known:
+            outcome.status, outcome.detail = "known", f"{known}; {outcome.detail.splitlines()[0]}"
     outcome.seconds = time.perf_counter() - start
     return outcome
 
@@ -419,10 +466,11 @@ def main(argv=None) -> int:
         if o.status != "ok":
             print(f"\n{o.status.upper()} seed {o.seed}: {o.detail}\n  replay: python -m tests.fuzz --seed {o.seed} --count 1 --show")
     print(f"\n{len(outcomes)} networks in {elapsed:.0f} s ({elapsed / max(len(outcomes), 1):.2f} s each): "
-          f"{status['ok']} ok, {status['mismatch']} mismatches, {status['crash']} crashes"
+          f"{status['ok']} ok, {status['mismatch']} mismatches, {status['crash']} crashes, "
+          f"{status['known']} known bugs (listed in tests/fuzz.py KNOWN)"
           + (f"; modes {dict(modes)}" if modes else ""))
     print("what the passes did: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.items())))
-    return 0 if status["ok"] == len(outcomes) else 1
+    return 0 if status["ok"] + status["known"] == len(outcomes) else 1
 
 
 if __name__ == "__main__":
