@@ -64,7 +64,7 @@ def _jit_freeze(model, inputs):
 
 VARIANTS: dict[str, Callable[[nn.Module, tuple], Callable]] = {
     "eager": lambda model, inputs: model,
-    "fxopt.optimize": lambda model, inputs: fxopt.optimize(model, inputs, mode="inference"),
+    "fxopt.optimize": lambda model, inputs: FirstTensor(fxopt.optimize(model.model, inputs, mode="inference")),
     "torch.fx fuse": lambda model, inputs: fuse(model),
     "jit.freeze": _jit_freeze,
     "Inductor": _inductor(freezing=False),

@@ -13,6 +13,7 @@ import fxopt
 from fxopt.pipeline.verify import max_difference, run_step
 
 from corpus_models import build
+from device_under_test import DEVICE
 
 TOLERANCE = 1e-7  # float64: a larger difference is a bug, not rounding
 BUDGET = 0.5
@@ -61,6 +62,7 @@ class CorpusResult:
 def run(model_name: str, variant: str, dtype=torch.float64) -> CorpusResult:
     mode, options = VARIANTS[variant]
     model, inputs = build(model_name, training=mode == "training", dtype=dtype)
+    model, inputs = model.to(DEVICE), tuple(x.to(DEVICE) for x in inputs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimized = fxopt.optimize(model, inputs, mode=mode, **options)
     assert all(p.grad is None for p in model.parameters()), "optimize() left .grad on the caller's parameters"

@@ -16,7 +16,7 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
