@@ -48,7 +48,11 @@ class FirstTensor(nn.Module):
 def _inductor(freezing: bool):
     def build_variant(model, inputs):
         torch._dynamo.reset()
-        return torch.compile(model, options={"freezing": freezing})
+        compiled = torch.compile(model)
+        # freezing is read when the first call compiles (`options={"freezing": True}` would change nothing)
+        with torch._inductor.config.patch(freezing=freezing), torch.no_grad():
+            compiled(*inputs)
+        return compiled
     return build_variant
 
 
