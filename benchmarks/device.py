@@ -38,6 +38,18 @@ def describe(device: torch.device, dtype: torch.dtype) -> str:
     return f"{name}, {str(dtype).removeprefix('torch.')}"
 
 
+def place(model: torch.nn.Module, inputs: tuple, device: torch.device, dtype: torch.dtype):
+    """The model and its inputs on `device`, floating-point ones in `dtype` (token ids stay integers)."""
+    moved = tuple(x.to(device, dtype) if x.is_floating_point() else x.to(device) for x in inputs)
+    return model.to(device, dtype), moved
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so a host clock times the work, not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     """Milliseconds of one call of `fn()`: CUDA events on CUDA (synchronized), perf_counter on CPU."""
     if device.type == "cuda":
