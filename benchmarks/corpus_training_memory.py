@@ -111,6 +111,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     dev.add_arguments(parser)
+    parser.set_defaults(threads=1)  # tiny models on a shared CPU: one thread measures the model, not the load
     parser.add_argument("--models", default="ResNet,MobileNetV2,BERT,ViT", help=f"any of {','.join(e.name for e in CORPUS)}")
     parser.add_argument("--size", choices=["tiny", "real"], default="tiny")
     parser.add_argument("--batch", type=int, default=2)

@@ -21,13 +21,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="model and input dtype (bfloat16/float16 for GPU runs)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU intra-op threads (default 1: on a shared machine more threads measure the load)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU intra-op threads (default: torch's; 1 on a shared machine, where more measure the load)")
 
 
 def from_args(args) -> tuple[torch.device, torch.dtype]:
     device = torch.device(args.device)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
     return device, DTYPES[args.dtype]
