@@ -202,7 +202,7 @@ def main() -> None:
     dev.add_arguments(parser)
     args = parser.parse_args()
     device, dtype = dev.from_args(args)
-    device_args = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
+    device_args = ["--device", args.device, "--dtype", args.dtype, *(["--threads", str(args.threads)] if args.threads else [])]
     if args.child:
         print(json.dumps(measure(*args.child, args.repeats, device, dtype)))
         return
