@@ -16,7 +16,8 @@ the pipeline runs with or without a memory budget and `differentiable_outputs`.
 Everything is compared through the public API only (`fxopt.optimize`, the result's behaviour, the
 report's `to_dict()`), so the fuzzer keeps working whatever the capture underneath is:
 - the optimized model's outputs, every gradient (parameters and input) and every buffer equal
-  eager's in float64 (same RNG seed, so dropout draws the same masks);
+  eager's in float64 (same RNG seed, so dropout draws the same masks), and in training a step leaves
+  the global RNG where eager's leaves it (a recompute must replay, not draw again);
 - the caller's model is untouched: its state, and no `.grad` on its parameters;
 - in training, a second `optimize()` of the result computes the same again.
 
@@ -26,6 +27,7 @@ from the next draw of the same seed; it is not a finding.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import random
 import sys
@@ -330,9 +332,12 @@ def check(case: Case, passes: list[str] | None = None) -> Outcome:
     start = time.perf_counter()
     stage = "optimize"
     try:
-        optimized = fxopt.optimize(case.net, case.inputs, mode=case.mode, passes=passes, **options_for(case, passes))
+        given = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in case.inputs)
+        optimized = fxopt.optimize(case.net, given, mode=case.mode, passes=passes, **options_for(case, passes))
         stats = {p["name"]: p["stats"] for p in optimized.fxopt_report.to_dict()["passes"]}
         stage = "caller's model"
+        if not all(torch.equal(a, b) for a, b in zip(given, case.inputs)):
+            return Outcome(case.seed, "mismatch", "optimize() wrote into the caller's example inputs", stats)
         leftover = [n for n, p in case.net.named_parameters() if p.grad is not None]
         if leftover:
             return Outcome(case.seed, "mismatch", f"optimize() left .grad on the caller's parameters: {leftover}")
@@ -342,7 +347,7 @@ def check(case: Case, passes: list[str] | None = None) -> Outcome:
         candidates = [("optimized", optimized)]
         if case.reoptimize:
             stage = "re-optimize"
-            candidates.append(("re-optimized", fxopt.optimize(optimized, case.inputs, mode=case.mode, passes=passes,
+            candidates.append(("re-optimized", fxopt.optimize(optimized, given, mode=case.mode, passes=passes,
                                                               **options_for(case, passes))))
             leftover = [n for n, p in case.net.named_parameters() if p.grad is not None]
             if leftover:
@@ -354,10 +359,25 @@ def check(case: Case, passes: list[str] | None = None) -> Outcome:
             worst, name, ok = max_difference(reference, got, TOLERANCE, TOLERANCE)
             if not ok:
                 return Outcome(case.seed, "mismatch", f"{label}: {name} differs by {worst:.3g}", stats)
+            if training and not torch.equal(next_random(model, case), next_random(case.net, case)):
+                return Outcome(case.seed, "mismatch", f"{label}: a step draws from the RNG differently", stats)
     except Exception as e:  # noqa: BLE001 - a crash is a finding, reported with its seed
         lines = traceback.format_exception(e)
         return Outcome(case.seed, "crash", f"{stage}: {type(e).__name__}: {str(e)[:300]}\n{''.join(lines[-6:])}")
     return Outcome(case.seed, "ok", stats=stats, seconds=time.perf_counter() - start)
+
+
+def next_random(model: torch.nn.Module, case: Case) -> torch.Tensor:
+    """What the global RNG gives after one training step (forward + backward) of a copy of `model`."""
+    from fxopt.pipeline.verify import differentiated_outputs
+    model = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        outputs = differentiated_outputs(model(*case.inputs), case.options.get("differentiable_outputs"))
+        loss = sum(o.sum() for o in outputs if o.requires_grad)
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+        return torch.rand(8)
 
 
 def options_for(case: Case, passes: list[str] | None) -> dict:
@@ -393,6 +413,9 @@ KNOWN = (
      "issue #13 (fixed on core): an unread train-mode F.batch_norm removed with its running-statistics update"),
     ("checkpoint_activations", "modified by an inplace operation",
      "found by this fuzzer: a region input written in place after the region; test_fuzz_findings.py"),
+    ("", "wrote into the caller's example inputs",
+     "found by this fuzzer: capture runs the model on the caller's example inputs, so an in-place op on an "
+     "input writes into them (capture is being rewritten on core); test_fuzz_findings.py"),
 )
 
 
