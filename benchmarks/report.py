@@ -24,8 +24,8 @@ sys.path.insert(0, HERE)
 import corpus_inference  # noqa: E402
 import corpus_training_memory  # noqa: E402
 
-SMALL = {"inference": ["--size", "tiny", "--batch", "2", "--rounds", "5", "--models", "ResNet,BERT,ViT"],
-         "training": ["--size", "tiny", "--batch", "16", "--rounds", "3", "--models", "ResNet,BERT,ViT"]}
+SMALL = {"inference": ["--size", "tiny", "--batch", "2", "--rounds", "30", "--models", "ResNet,BERT,ViT"],
+         "training": ["--size", "tiny", "--batch", "16", "--rounds", "10", "--models", "ResNet,BERT,ViT"]}
 REAL = {"inference": ["--size", "real", "--batch", "64", "--rounds", "20", "--models", "ResNet"],
         "training": ["--size", "real", "--batch", "8", "--rounds", "5", "--models", "BERT"]}
 
