@@ -391,12 +391,10 @@ def options_for(case: Case, passes: list[str] | None) -> dict:
 
 def blame(case: Case, outcome: Outcome) -> str:
     """The pass whose removal from the pipeline makes the failure go away ("" if none alone does)."""
-    from fxopt.pipeline.pipelines import DEFAULT_PIPELINES
-    for name in DEFAULT_PIPELINES[case.mode]:
-        rest = [p for p in DEFAULT_PIPELINES[case.mode] if p != name]
-        if "memory_budget" not in case.options and "checkpoint_activations" in rest:
-            rest.remove("checkpoint_activations")
-        if check(case, rest).status == "ok":
+    from fxopt.pipeline.pipelines import DEFAULT_PIPELINES, ONLY_WITH_OPTION
+    pipeline = [p for p in DEFAULT_PIPELINES[case.mode] if ONLY_WITH_OPTION.get(p, "") in ("", *case.options)]
+    for name in pipeline:
+        if check(case, [p for p in pipeline if p != name]).status == "ok":
             return name
     return ""
 

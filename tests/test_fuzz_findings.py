@@ -56,3 +56,24 @@ def test_optimize_leaves_the_example_inputs_alone(mode):
     before = x.clone()
     fxopt.optimize(model, (x,), mode=mode)
     assert torch.equal(x, before)
+
+
+def test_train_mode_batchnorm_with_cumulative_average_is_optimized():
+    """BatchNorm(momentum=None) in training averages over num_batches_tracked: a capture must handle it, not give up
+    (fuzz seed 55582281 fails capture on torch.export with a data-dependent guard)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=None), nn.ELU()).double().train()
+    inputs = (torch.randn(4, 3, 5, 5, dtype=torch.float64),)
+    optimized = fxopt.optimize(model, inputs)
+    assert_same_step(model, optimized, inputs, training=True, rtol=1e-9, atol=1e-9)
+
+
+def test_reoptimizing_a_checkpointed_training_result_changes_nothing():
+    """The README promises that optimizing a result again changes nothing, also when it holds checkpointed regions
+    (fuzz seed 55582879 fails there once capture refuses users' torch.utils.checkpoint calls)."""
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU()) for _ in range(4)])
+    model = model.double().train()
+    inputs = (torch.randn(8, 16, dtype=torch.float64),)
+    once = fxopt.optimize(model, inputs, memory_budget=0.3)
+    assert once.fxopt_report["checkpoint_activations"].changed
+    twice = fxopt.optimize(once, inputs, memory_budget=0.3)
+    assert_same_step(model, twice, inputs, training=True, rtol=1e-9, atol=1e-9)
