@@ -404,7 +404,7 @@ def blame(case: Case, outcome: Outcome) -> str:
 # A finding that matches is reported as known and does not fail the run; delete an entry once its fix
 # is merged (the matching xfail test in tests/test_fuzz_findings.py then fails as XPASS, as a reminder).
 KNOWN = (
-    ("checkpoint_activations", "not found in storage",
+    (None, "not found in storage",
      "issue #13 (fixed on core): a train-mode BatchNorm recomputed in a selective checkpoint region"),
     ("inplace_relu", "modified by an inplace operation",
      "issue #13 (fixed on core): leaky_relu/ELU made in place although the model writes the result in place later"),
@@ -412,6 +412,9 @@ KNOWN = (
      "issue #13 (fixed on core): an unread train-mode F.batch_norm removed with its running-statistics update"),
     ("checkpoint_activations", "modified by an inplace operation",
      "found by this fuzzer: a region input written in place after the region; test_fuzz_findings.py"),
+    ("fold_conv_bn", "differs by",
+     "found by this fuzzer: folding a BN -> BN chain re-emits the conv past an in-place write to its input "
+     "(seed 59745474); test_fuzz_findings.py"),
     (None, "wrote into the caller's example inputs",
      "found by this fuzzer: capture runs the model on the caller's example inputs, so an in-place op on an "
      "input writes into them (capture is being rewritten on core); test_fuzz_findings.py"),

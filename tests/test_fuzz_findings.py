@@ -77,3 +77,35 @@ def test_reoptimizing_a_checkpointed_training_result_changes_nothing():
     assert once.fxopt_report["checkpoint_activations"].changed
     twice = fxopt.optimize(once, inputs, memory_budget=0.3)
     assert_same_step(model, twice, inputs, training=True, rtol=1e-9, atol=1e-9)
+
+
+class WriteBetweenFolds(nn.Module):
+    """conv -> BN -> BN, with the conv's input written in place between the two BatchNorms."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.ConvTranspose2d(3, 4, 1, bias=False)
+        self.bn_a = nn.BatchNorm2d(4, affine=False)
+        self.bn_b = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        h = torch.nn.functional.hardswish(x)
+        y = self.bn_a(self.conv(h))
+        h.add_(0.5)  # the conv's input, written after the conv read it
+        return self.bn_b(y), h
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "fold_conv_bn (owned by core): folding a BN -> BN chain into the conv re-emits the conv at the later BN, "
+    "after an in-place write to the conv's input (fuzz seed 59745474)"))
+def test_fold_does_not_move_a_conv_past_a_write_to_its_input():
+    """The folded conv must read its input as it was when the original conv ran."""
+    torch.manual_seed(0)
+    model = WriteBetweenFolds().double().eval()
+    with torch.no_grad():
+        for bn in (model.bn_a, model.bn_b):
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+    inputs = (torch.randn(4, 3, 5, 5, dtype=torch.float64),)
+    optimized = fxopt.optimize(model, inputs, mode="inference")
+    assert_same_step(model, optimized, inputs, training=False, rtol=1e-9, atol=1e-9)
