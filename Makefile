@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 # Quiet installs: no version nag, no root-user warning (containers and CI run as root).
 PIP = $(PY) -m pip install -q --disable-pip-version-check --root-user-action=ignore
 
-.PHONY: install install-test install-browser demo test test-slow docs-images
+.PHONY: install install-test install-browser demo test test-slow test-corpus fuzz test-distributed corpus-table docs-images
 install:
 	$(PIP) "$(TORCH)"
 	$(PIP) -e ".[report]"
@@ -38,3 +38,20 @@ docs-images: install install-browser
 	for page in seed_net bert6_budget deep_mlp_budget; do \
 		chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1900 \
 			--screenshot=docs/$$page.png file://$(CURDIR)/docs/$$page.html 2>/dev/null; done
+
+# Hugging Face models from config (tests/corpus): every model in inference, training, training + budget.
+test-corpus: install-test
+	$(PY) -m pytest -q -m corpus tests/corpus
+
+# The corpus table (models x what each pass did), written to tests/corpus/TABLE.md.
+corpus-table: install-test
+	$(PY) -m tests.corpus.table
+
+# 1,000 random networks through the default pipeline; the base seed is printed (FUZZ_SEED= to replay a run).
+FUZZ_COUNT ?= 1000
+fuzz: install-test
+	$(PY) -m tests.fuzz --count $(FUZZ_COUNT) --workers 2 $(if $(FUZZ_SEED),--seed $(FUZZ_SEED))
+
+# DDP / FSDP2 / autocast across two gloo processes on CPU (the Inductor ones are also marked slow).
+test-distributed: install-test
+	$(PY) -m pytest -q -m "distributed and not slow" tests/test_distributed.py

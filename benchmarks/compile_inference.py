@@ -1,6 +1,6 @@
 """Inference under torch.compile: Inductor, Inductor with freezing and backend="fxopt", against eager.
 
-Batch 8, 3x224x224, float32, CPU, on Hugging Face ResNet-18/50 and MobileNetV2 built from their
+Batch 8, 3x224x224 (`--device`, `--dtype`: float32 on CPU by default), on Hugging Face ResNet-18/50 and MobileNetV2 built from their
 configs (random weights, BN statistics randomised so folding is not trivial; no download).
 
 Two traps that silently invalidate such a comparison are avoided:
@@ -80,28 +80,37 @@ def compile_variant(model, variant: str, reports: list):
     raise ValueError(variant)
 
 
-def measure(name: str, variant: str, repeats: int) -> dict:
+def _placed(name: str, device, dtype):
+    """The model and its input batch on `device` in `dtype`."""
+    import torch
+
+    import device as dev
+
+    x = torch.randn(BATCH, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    model, (x,) = dev.place(build(name), (x,), device, dtype)
+    return model, x, dev
+
+
+def measure(name: str, variant: str, repeats: int, device, dtype) -> dict:
     """Run in a fresh interpreter: cold compile time, then alternating eager/compiled latencies."""
     import torch
 
-    model = build(name)
-    x = torch.randn(BATCH, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    model, x, dev = _placed(name, device, dtype)
     reports: list = []
     with torch.no_grad():
         expected = model(x)
         compiled = compile_variant(model, variant, reports)
         start = time.perf_counter()
         got = compiled(x)
+        dev.synchronize(device)
         cold = time.perf_counter() - start
         for _ in range(2):
             model(x), compiled(x)
         eager_s, compiled_s = [], []
         for _ in range(repeats):
             for fn, times in ((model, eager_s), (compiled, compiled_s)):
-                start = time.perf_counter()
-                fn(x)
-                times.append(time.perf_counter() - start)
-    eager_ms, compiled_ms = statistics.median(eager_s) * 1e3, statistics.median(compiled_s) * 1e3
+                times.append(dev.time_ms(lambda fn=fn: fn(x), device))
+    eager_ms, compiled_ms = statistics.median(eager_s), statistics.median(compiled_s)
     return {
         "model": name, "variant": variant, "eager ms": eager_ms, "compiled ms": compiled_ms,
         "speedup vs eager": eager_ms / compiled_ms, "cold compile s": cold,
@@ -110,7 +119,7 @@ def measure(name: str, variant: str, repeats: int) -> dict:
     }
 
 
-def side_by_side(name: str, repeats: int) -> list[dict]:
+def side_by_side(name: str, repeats: int, device, dtype) -> list[dict]:
     """Run in a fresh interpreter: all variants of one model, called round-robin with eager."""
     import copy
 
@@ -119,8 +128,7 @@ def side_by_side(name: str, repeats: int) -> list[dict]:
 
     from fxopt import _torch_private
 
-    model = build(name)
-    x = torch.randn(BATCH, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    model, x, dev = _placed(name, device, dtype)
     calls = {"eager": model}
     with torch.no_grad():
         expected = model(x)
@@ -133,24 +141,18 @@ def side_by_side(name: str, repeats: int) -> list[dict]:
         inductor_config.freezing = False
         calls["fxopt"] = torch.compile(copy.deepcopy(model), backend="fxopt")
         diffs = {v: float((fn(x) - expected).abs().max()) for v, fn in calls.items()}
-        times: dict[str, list[float]] = {v: [] for v in calls}
-        for _ in range(repeats + 2):
-            for variant, fn in calls.items():
-                start = time.perf_counter()
-                fn(x)
-                times[variant].append(time.perf_counter() - start)
-    medians = {v: statistics.median(t[2:]) * 1e3 for v, t in times.items()}
+        medians = dev.round_robin_ms({v: lambda fn=fn: fn(x) for v, fn in calls.items()}, device, repeats, warmup=2)
     return [{"model": name, "variant": v, "median ms": ms, "speedup vs eager": medians["eager"] / ms,
              "vs inductor+freezing": medians["inductor+freezing"] / ms, "max |diff|": diffs[v]}
             for v, ms in medians.items()]
 
 
-def run_side_by_side(models=MODELS, repeats: int = 10) -> list[dict]:
+def run_side_by_side(models=MODELS, repeats: int = 10, device_args=()) -> list[dict]:
     rows = []
     for name in models:
         with tempfile.TemporaryDirectory(prefix="inductor_cache_") as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-            cmd = [sys.executable, __file__, "--side-by-side-child", name, "--repeats", str(repeats)]
+            cmd = [sys.executable, __file__, "--side-by-side-child", name, "--repeats", str(repeats), *device_args]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{name} side by side failed:\n{done.stderr[-3000:]}")
@@ -159,13 +161,13 @@ def run_side_by_side(models=MODELS, repeats: int = 10) -> list[dict]:
     return rows
 
 
-def run(models=MODELS, repeats: int = 10) -> list[dict]:
+def run(models=MODELS, repeats: int = 10, device_args=()) -> list[dict]:
     rows = []
     for name in models:
         for variant in VARIANTS:
             with tempfile.TemporaryDirectory(prefix="inductor_cache_") as cache:
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-                cmd = [sys.executable, __file__, "--child", name, variant, "--repeats", str(repeats)]
+                cmd = [sys.executable, __file__, "--child", name, variant, "--repeats", str(repeats), *device_args]
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{name} / {variant} failed:\n{done.stderr[-3000:]}")
@@ -194,23 +196,30 @@ def main() -> None:
     parser.add_argument("--side-by-side", action="store_true", help="all variants in one interpreter per model")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--side-by-side-child", metavar="MODEL", help=argparse.SUPPRESS)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import device as dev
+
+    dev.add_arguments(parser)
     args = parser.parse_args()
+    device, dtype = dev.from_args(args)
+    device_args = ["--device", args.device, "--dtype", args.dtype, *(["--threads", str(args.threads)] if args.threads else [])]
     if args.child:
-        print(json.dumps(measure(*args.child, args.repeats)))
+        print(json.dumps(measure(*args.child, args.repeats, device, dtype)))
         return
     if args.side_by_side_child:
-        print(json.dumps(side_by_side(args.side_by_side_child, args.repeats)))
+        print(json.dumps(side_by_side(args.side_by_side_child, args.repeats, device, dtype)))
         return
     from tabulate import tabulate
 
     models = ("resnet18",) if args.quick and not args.models else tuple(args.models or MODELS)
     repeats = args.repeats or (5 if args.quick else 10)
     if args.side_by_side:
-        print(f"batch {BATCH}, 3x{SIZE}x{SIZE}, float32, CPU, median of {repeats} round-robin calls, one interpreter")
-        print(tabulate(run_side_by_side(models, repeats), headers="keys", floatfmt=".3g"))
+        print(f"batch {BATCH}, 3x{SIZE}x{SIZE}, {dev.describe(device, dtype)}, median of {repeats} round-robin calls, "
+              "one interpreter")
+        print(tabulate(run_side_by_side(models, repeats, device_args), headers="keys", floatfmt=".3g"))
         return
-    rows = run(models, repeats)
-    print(f"batch {BATCH}, 3x{SIZE}x{SIZE}, float32, CPU, median of {repeats} alternating calls")
+    rows = run(models, repeats, device_args)
+    print(f"batch {BATCH}, 3x{SIZE}x{SIZE}, {dev.describe(device, dtype)}, median of {repeats} alternating calls")
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
     print()
     print(tabulate(summary(rows), headers="keys", floatfmt=".3g"))

@@ -35,6 +35,7 @@ from tabulate import tabulate
 from torch.fx.experimental.optimization import fuse
 
 sys.path.insert(0, os.path.dirname(__file__))
+import device as dev  # noqa: E402
 import vision_models  # noqa: E402
 
 import fxopt  # noqa: E402
@@ -106,6 +107,8 @@ class Settings:
     rounds: int
     warmup: int
     clock: str = "wall"
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
 
 
 FULL = Settings(("resnet50", "mobilenet_v2", "hf_resnet50", "hf_mobilenet_v2"), batch=8, size=224, rounds=7, warmup=2)
@@ -126,7 +129,7 @@ def prepare(builder: Callable, model: nn.Module, inputs: tuple, reference: torch
         run = builder(copy.deepcopy(model), inputs)
         out = run(*inputs)
     seconds = time.perf_counter() - start
-    rel_diff = float((out - reference).abs().max() / reference.abs().max())
+    rel_diff = float((out - reference).abs().max() / reference.abs().max())  # in the benchmark's dtype
     return Prepared(run, seconds, rel_diff)
 
 
@@ -134,6 +137,7 @@ def bench_model(name: str, settings: Settings) -> list[list]:
     torch.manual_seed(0)
     inputs = (torch.randn(settings.batch, 3, settings.size, settings.size),)
     model = vision_models.calibrate(MODELS[name](), inputs[0].shape)
+    model, inputs = dev.place(model, inputs, settings.device, settings.dtype)
     with torch.no_grad():
         reference = model(*inputs)
     prepared, failed = {}, {}
@@ -148,6 +152,7 @@ def bench_model(name: str, settings: Settings) -> list[list]:
             for p in prepared.values():
                 start = clock()
                 p.run(*inputs)
+                dev.synchronize(settings.device)
                 if round_ >= settings.warmup:
                     p.times.append(clock() - start)
     eager_ms = statistics.median(prepared["eager"].times) * 1e3
@@ -168,15 +173,17 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="models to run (default: see --quick)")
     parser.add_argument("--rounds", type=int, help="timed calls per variant (median reported)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="wall latency or one-thread CPU time")
+    dev.add_arguments(parser)
     args = parser.parse_args(argv)
-    settings = dataclasses.replace(QUICK if args.quick else FULL, clock=args.clock)
+    device, dtype = dev.from_args(args)
+    settings = dataclasses.replace(QUICK if args.quick else FULL, clock=args.clock, device=device, dtype=dtype)
     settings.models = tuple(args.models or settings.models)
     settings.rounds = args.rounds or settings.rounds
     if settings.clock == "cpu":
         torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {settings.clock} clock, "
-          f"batch {settings.batch}, {settings.size}x{settings.size}, fp32, median of {settings.rounds} rounds "
+          f"batch {settings.batch}, {settings.size}x{settings.size}, {dev.describe(device, dtype)}, median of {settings.rounds} rounds "
           f"after {settings.warmup} warm-up; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     rows = [row for name in settings.models for row in bench_model(name, settings)]
     print(tabulate(rows, headers=["model", "variant", f"median ms ({settings.clock})", "vs eager", "prepare s",

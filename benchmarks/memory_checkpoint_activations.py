@@ -12,17 +12,15 @@ the step, so the figure is activations + temporaries), FLOPs (FlopCounterMode, e
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from tabulate import tabulate
 from torch.utils.checkpoint import checkpoint_sequential
 from torch.utils.flop_counter import FlopCounterMode
 
+import device as dev
 import fxopt
 from fxopt import _torch_private
-from fxopt.measure import measure_allocator_peak
 
 BUDGETS = (1.0, 0.5, 0.25)
 
@@ -46,13 +44,8 @@ def _flops(forward, inputs: tuple) -> int:
 
 def _median_seconds(forwards: list, inputs: tuple, repeats: int) -> list[float]:
     """Median step time of each forward, timed round-robin so a busy machine slows all alike."""
-    times = [[] for _ in forwards]
-    for _ in range(repeats):
-        for i, forward in enumerate(forwards):
-            start = time.perf_counter()
-            _step(forward, inputs)
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+    steps = {i: lambda f=f: _step(f, inputs) for i, f in enumerate(forwards)}
+    return [ms / 1e3 for ms in dev.round_robin_ms(steps, inputs[0].device, repeats, warmup=0).values()]
 
 
 def _variants(model, inputs, compile_too: bool):
@@ -72,15 +65,15 @@ def _variants(model, inputs, compile_too: bool):
             yield f"torch.compile budget {budget if budget is not None else 'default'}", model, compiled
 
 
-def run(repeats: int, compile_too: bool = False) -> list[dict]:
+def run(repeats: int, compile_too: bool = False, device=torch.device("cpu"), dtype=torch.float32) -> list[dict]:
     """One row per variant. Eager variants are timed round-robin at the end; a compiled one right
     after its compile (the next budget's `torch._dynamo.reset()` would recompile it)."""
     torch.manual_seed(0)
-    model, inputs = deep_mlp(), (torch.randn(256, 512),)
+    model, inputs = dev.place(deep_mlp(), (torch.randn(256, 512),), device, dtype)
     rows, round_robin = [], []
     for name, owner, forward in _variants(model, inputs, compile_too):
         compiled = name.startswith("torch.compile")
-        rows.append({"variant": name, "peak MB": measure_allocator_peak(owner, inputs, forward) / 1e6,
+        rows.append({"variant": name, "peak MB": dev.training_peak_bytes(owner, inputs, forward) / 1e6,
                      "FLOPs": None if compiled else _flops(forward, inputs),
                      "seconds": _median_seconds([forward], inputs, repeats)[0] if compiled else None})
         if not compiled:
@@ -98,8 +91,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="add torch.compile with activation_memory_budget")
+    dev.add_arguments(parser)
     args = parser.parse_args()
-    print(tabulate(run(args.repeats, args.compile), headers="keys", floatfmt=".3g"))
+    print(tabulate(run(args.repeats, args.compile, *dev.from_args(args)), headers="keys", floatfmt=".3g"))
 
 
 if __name__ == "__main__":

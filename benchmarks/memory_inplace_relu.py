@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 from tabulate import tabulate
 
+import device as dev
 import fxopt
 from fxopt.measure import measure_peak, measure_saved_bytes
 
@@ -130,14 +131,15 @@ def _what_fxopt_did(model: nn.Module) -> str:
                      for p in model.fxopt_report.passes if p.stats)
 
 
-def run(repeats: int) -> list[dict]:
+def run(repeats: int, device=torch.device("cpu"), dtype=torch.float32) -> list[dict]:
     rows = []
     for name, (network, make_inputs) in NETWORKS.items():
         torch.manual_seed(0)
         eager = network(inplace=False)
         by_hand = network(inplace=True)
         by_hand.load_state_dict(eager.state_dict())
-        inputs = make_inputs()
+        eager, inputs = dev.place(eager, make_inputs(), device, dtype)
+        by_hand.to(device, dtype)
         for mode in ("inference", "training"):
             measure = _inference if mode == "inference" else _training
             variants = {"eager": eager, "inplace=True": by_hand}
@@ -163,8 +165,9 @@ def run(repeats: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="peak measurements per variant (largest is shown)")
+    dev.add_arguments(parser)
     args = parser.parse_args()
-    print(tabulate(run(args.repeats), headers="keys", floatfmt=".3f"))
+    print(tabulate(run(args.repeats, *dev.from_args(args)), headers="keys", floatfmt=".3f"))
 
 
 if __name__ == "__main__":

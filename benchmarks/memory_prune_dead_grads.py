@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from tabulate import tabulate
 
+import device as dev
 import fxopt
 from fxopt.measure import measure_peak
 
@@ -97,6 +98,7 @@ def _median_ms(variants: dict[str, nn.Module], inputs: tuple, repeats: int) -> d
             model.zero_grad(set_to_none=True)
             wall, cpu = time.perf_counter(), time.process_time()
             steps[name]()
+            dev.synchronize(inputs[0].device)
             times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
             model.zero_grad(set_to_none=True)
     return {name: (statistics.median(w for w, _ in t[1:]) * 1e3, statistics.median(c for _, c in t[1:]) * 1e3)
@@ -110,10 +112,11 @@ def _peak(model: nn.Module, inputs: tuple) -> int:
     return peak
 
 
-def run(repeats: int) -> list[dict]:
+def run(repeats: int, device=torch.device("cpu"), dtype=torch.float32) -> list[dict]:
     rows = []
     for scenario, make in SCENARIOS.items():
         model, inputs, options = make()
+        model, inputs = dev.place(model, inputs, device, dtype)
         variants = {
             "eager": model,
             "fxopt prune_dead_grads only": fxopt.optimize(model, inputs, mode="training",
@@ -135,7 +138,9 @@ def run(repeats: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    print(tabulate(run(parser.parse_args().repeats), headers="keys", floatfmt=".3g"))
+    dev.add_arguments(parser)
+    args = parser.parse_args()
+    print(tabulate(run(args.repeats, *dev.from_args(args)), headers="keys", floatfmt=".3g"))
 
 
 if __name__ == "__main__":

@@ -24,13 +24,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("passes", nargs="*", metavar="PASS", help=f"any of {', '.join(PASSES)} (default: all)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median is shown)")
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import device as dev
+    dev.add_arguments(parser)
     args = parser.parse_args()
+    device, dtype = dev.from_args(args)
     unknown = sorted(set(args.passes) - set(PASSES))
     if unknown:
         parser.error(f"unknown pass {unknown[0]!r}; choose from {', '.join(PASSES)}")
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
     for name in args.passes or PASSES:
-        rows = importlib.import_module(f"memory_{name}").run(args.repeats)
+        rows = importlib.import_module(f"memory_{name}").run(args.repeats, device=device, dtype=dtype)
         print(f"\n== {name} ==")
         print(tabulate(rows, headers="keys", floatfmt=".3g"))
 

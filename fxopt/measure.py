@@ -136,7 +136,7 @@ def measure_allocator_peak(model: torch.nn.Module, inputs: tuple, forward=None) 
 
     Parameter gradients exist before the measured step, so the figure is activations + temporaries.
     """
-    forward = forward or model
+    forward = model if forward is None else forward  # not `or`: a compiled module has no truth value
 
     def step():
         forward(*inputs).sum().backward()

@@ -1,10 +1,18 @@
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from device_under_test import DEVICE  # noqa: E402
 
 # The tests run tiny tensors: one intra-op thread is faster than two and gives the same numbers
 # on every machine.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where device-independent tests run: FXOPT_TEST_DEVICE (cpu by default; cuda on a GPU machine)."""
+    return DEVICE

@@ -1,9 +1,11 @@
 """fxopt.analysis.costs: fake-tensor estimates agree with real measurements and touch nothing."""
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
+import fxopt
 from fxopt.analysis.costs import estimate_costs, placeholder_values
 from fxopt.analysis.shapes import propagate_shapes
 from fxopt.measure import measure_saved_bytes
@@ -62,3 +64,23 @@ def test_data_dependent_graph_has_no_estimate():
     model = nn.Sequential(nn.Linear(3, 3), _Branch())
     gm = fx.GraphModule(model, _LeafTracer().trace(model))
     assert estimate_costs(gm, (torch.randn(2, 3),), training=True) is None
+
+
+def _conv_stack() -> nn.Module:
+    layers = []
+    for _ in range(4):
+        layers += [nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU()]
+    return nn.Sequential(*layers).train()
+
+
+@pytest.mark.parametrize("second", ["reoptimize", "prune_after_checkpoint"])
+def test_estimates_leave_no_fake_grads_on_checkpointed_parameters(second):
+    """A cost estimate runs backward through checkpointed regions, which recompute with the real parameters:
+    their `.grad` must stay as it was, or the next training step accumulates into fake tensors."""
+    model = _conv_stack()
+    inputs = (torch.randn(2, 4, 6, 6),)
+    if second == "reoptimize":
+        fxopt.optimize(fxopt.optimize(model, inputs, memory_budget=0.3), inputs, memory_budget=0.3)
+    else:
+        fxopt.optimize(model, inputs, passes=["checkpoint_activations", "prune_dead_grads"], memory_budget=0.3)
+    assert [n for n, p in model.named_parameters() if p.grad is not None] == []

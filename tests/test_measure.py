@@ -2,7 +2,7 @@
 import torch
 import torch.nn as nn
 
-from fxopt.measure import measure_peak, measure_saved_bytes, measure_training_step
+from fxopt.measure import measure_allocator_peak, measure_peak, measure_saved_bytes, measure_training_step
 
 MB = 1 << 20
 
@@ -49,3 +49,10 @@ def test_flops_of_a_matmul():
     lin = nn.Linear(64, 32, bias=False)
     x = torch.randn(16, 64, requires_grad=True)
     assert measure_training_step(lin, (x,)).flops == 3 * 2 * 16 * 64 * 32
+
+
+def test_allocator_peak_takes_a_compiled_forward():
+    """A torch.compile'd forward (which has no truth value) is measured, not rejected."""
+    model = nn.Linear(16, 4)  # not a container: its compiled wrapper raises on len()
+    compiled = torch.compile(model, backend="eager")
+    assert measure_allocator_peak(model, (torch.randn(8, 16),), compiled) > 0

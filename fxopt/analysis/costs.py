@@ -60,6 +60,9 @@ def estimate_costs(gm: fx.GraphModule, example_inputs: tuple, training: bool) ->
             saved[key] = t.untyped_storage().nbytes()
         return t
 
+    # A checkpointed region recomputes in backward, after functional_call has put the real
+    # parameters back: its fake gradients would land on them. Their `.grad` is restored below.
+    real_grads = [(p, p.grad) for p in gm.parameters()]
     try:
         with torch.random.fork_rng(devices=[]), mode, FlopCounterMode(display=False) as counter, \
                 torch.set_grad_enabled(training):
@@ -70,6 +73,9 @@ def estimate_costs(gm: fx.GraphModule, example_inputs: tuple, training: bool) ->
                 torch.autograd.backward(differentiable, [torch.ones_like(o) for o in differentiable])
     except Exception:  # noqa: BLE001 - data-dependent code cannot run on fake tensors: no estimate
         return None
+    finally:
+        for p, grad in real_grads:
+            p.grad = grad
     return Costs(counter.get_total_flops(), sum(saved.values()) if training else None)
 
 

@@ -1,0 +1,136 @@
+"""Inference latency on the corpus (tests/corpus): eager and torch.compile paths of fxopt against
+torch.fx `fuse`, `torch.jit.freeze`, Inductor and Inductor + freezing, side by side in one process.
+
+    python benchmarks/corpus_inference.py --models ResNet,BERT --size tiny --batch 2 --rounds 5
+    python benchmarks/corpus_inference.py --device cuda --dtype float16 --size real --batch 64 --models ResNet
+
+Each variant is built from its own deep copy of one eval-mode model; the table gives the median
+latency (CUDA events on CUDA; variants called round-robin), the speed-up over eager, the time to prepare the variant (build +
+first call: a compiler's cold start) and the largest output difference relative to the largest
+output magnitude. A variant that cannot take a model is listed with its reason.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from tabulate import tabulate
+from torch.fx.experimental.optimization import fuse
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests", "corpus")]
+import device as dev  # noqa: E402
+from corpus_models import CORPUS, build  # noqa: E402
+
+import fxopt  # noqa: E402
+from fxopt.pipeline.verify import flatten_tensors  # noqa: E402
+
+
+class FirstTensor(nn.Module):
+    """The model's first output tensor (a Hugging Face ModelOutput's last hidden state) as a plain tensor."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return flatten_tensors(self.model(x))[0]
+
+
+def _inductor(freezing: bool):
+    def build_variant(model, inputs):
+        torch._dynamo.reset()
+        compiled = torch.compile(model)
+        # freezing is read when the first call compiles (`options={"freezing": True}` would change nothing)
+        with torch._inductor.config.patch(freezing=freezing), torch.no_grad():
+            compiled(*inputs)
+        return compiled
+    return build_variant
+
+
+def _fxopt_backend(model, inputs):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="fxopt")
+
+
+def _jit_freeze(model, inputs):
+    traced = torch.jit.trace(model, inputs, strict=False)
+    return torch.jit.optimize_for_inference(torch.jit.freeze(traced.eval()))
+
+
+VARIANTS: dict[str, Callable[[nn.Module, tuple], Callable]] = {
+    "eager": lambda model, inputs: model,
+    "fxopt.optimize": lambda model, inputs: FirstTensor(fxopt.optimize(model.model, inputs, mode="inference")),
+    "torch.fx fuse": lambda model, inputs: fuse(model),
+    "jit.freeze": _jit_freeze,
+    "Inductor": _inductor(freezing=False),
+    "Inductor+freezing": _inductor(freezing=True),
+    "compile(backend=fxopt)": _fxopt_backend,
+}
+COMPILED = ("Inductor", "Inductor+freezing", "compile(backend=fxopt)")
+
+
+def bench_model(name: str, args, device, dtype) -> list[dict]:
+    model, inputs = build(name, size=args.size, batch=args.batch, dtype=dtype)
+    model, inputs = FirstTensor(model).to(device).eval(), tuple(x.to(device) for x in inputs)
+    with torch.inference_mode():
+        reference = model(*inputs)
+    rows, runs = [], {}
+    for variant, make in VARIANTS.items():
+        if args.no_compile and variant in COMPILED:
+            continue
+        row = {"model": name, "variant": variant}
+        try:
+            start = time.perf_counter()
+            with torch.no_grad():
+                run = make(copy.deepcopy(model), inputs)
+                out = run(*inputs)
+            row["prepare s"] = round(time.perf_counter() - start, 2)
+            row["rel diff"] = float((out.float() - reference.float()).abs().max() / reference.float().abs().max())
+            runs[variant] = lambda run=run: run(*inputs)
+        except Exception as e:  # noqa: BLE001 - a variant that cannot take this model is a result too
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+        rows.append(row)
+        print(f"  {name} {variant}: prepared", file=sys.stderr, flush=True)
+    with torch.no_grad():
+        medians = dev.round_robin_ms(runs, device, args.rounds)
+    for r in rows:
+        if r["variant"] in medians:
+            r["median ms"] = medians[r["variant"]]
+            r["vs eager"] = medians["eager"] / medians[r["variant"]]
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    dev.add_arguments(parser)
+    parser.set_defaults(threads=1)  # tiny models on a shared CPU: one thread measures the model, not the load
+    parser.add_argument("--models", default="ResNet,MobileNetV2,BERT,ViT", help=f"any of {','.join(e.name for e in CORPUS)}")
+    parser.add_argument("--size", choices=["tiny", "real"], default="tiny")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    device, dtype = dev.from_args(args)
+    warnings.filterwarnings("ignore")
+    rows = [r for name in args.models.split(",") for r in bench_model(name, args, device, dtype)]
+    print(f"inference, {dev.describe(device, dtype)}, size {args.size}, batch {args.batch}, "
+          f"median of {args.rounds}, torch {torch.__version__}")
+    print(tabulate([{k: v for k, v in r.items()} for r in rows], headers="keys", floatfmt=".3g"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

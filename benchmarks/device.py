@@ -1,0 +1,93 @@
+"""Device and dtype for every benchmark: `--device cpu|cuda`, `--dtype float32|bfloat16|float16`,
+timing with CUDA events on CUDA (perf_counter on CPU) and the peak memory of a training step
+(`torch.cuda.max_memory_allocated` on CUDA; the allocator's events through the profiler on CPU,
+`fxopt.measure.measure_allocator_peak`, which also sees inside torch.compile'd code).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from fxopt.measure import measure_allocator_peak
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="model and input dtype (bfloat16/float16 for GPU runs)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU intra-op threads (default: torch's; 1 on a shared machine, where more measure the load)")
+
+
+def from_args(args) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    return device, DTYPES[args.dtype]
+
+
+def describe(device: torch.device, dtype: torch.dtype) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
+    return f"{name}, {str(dtype).removeprefix('torch.')}"
+
+
+def place(model: torch.nn.Module, inputs: tuple, device: torch.device, dtype: torch.dtype):
+    """The model and its inputs on `device`, floating-point ones in `dtype` (token ids stay integers)."""
+    moved = tuple(x.to(device, dtype) if x.is_floating_point() else x.to(device) for x in inputs)
+    return model.to(device, dtype), moved
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so a host clock times the work, not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call of `fn()`: CUDA events on CUDA (synchronized), perf_counter on CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end)
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def round_robin_ms(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,
+                   warmup: int = 1) -> dict[str, float]:
+    """Median milliseconds of each callable, timed in rounds that call every one once (load hits all alike)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(warmup + rounds):
+        for name, fn in fns.items():
+            ms = time_ms(fn, device)
+            if round_ >= warmup:
+                times[name].append(ms)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def training_peak_bytes(model: torch.nn.Module, inputs: tuple, forward: Callable) -> int:
+    """Peak bytes of activations and temporaries during one forward + backward of `forward(*inputs)`."""
+    if inputs[0].device.type != "cuda":
+        return measure_allocator_peak(model, inputs, forward)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # gradients accumulate in place: not step memory
+    forward(*inputs).float().sum().backward()  # warm-up (compiles, caches)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    forward(*inputs).float().sum().backward()
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    return torch.cuda.max_memory_allocated() - base

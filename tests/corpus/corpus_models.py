@@ -1,0 +1,96 @@
+"""The real-model corpus: Hugging Face models built from a config with random weights (no download).
+
+Each entry builds a model and its example inputs at one of two sizes: `"tiny"` (the corpus tests,
+the table, the CPU benchmarks: seconds per model on 2 cores) and `"real"` (the published
+configuration, e.g. ResNet-50 at batch 64 or BERT-base at sequence 512, for the GPU benchmarks).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import transformers
+from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    name: str
+    kind: str  # vision / text / audio
+    build: Callable[[str], torch.nn.Module]  # size -> model
+    inputs: Callable[[str, int], tuple]  # (size, batch) -> example inputs
+
+
+def _image(resolution: dict[str, int]):
+    return lambda size, batch: (torch.randn(batch, 3, resolution[size], resolution[size]),)
+
+
+def _tokens(length: dict[str, int], vocab: int = 100):
+    return lambda size, batch: (torch.randint(0, vocab, (batch, length[size])),)
+
+
+TINY_IMAGE, REAL_IMAGE = 32, 224
+IMAGE = _image({"tiny": TINY_IMAGE, "real": REAL_IMAGE})
+TEXT = _tokens({"tiny": 16, "real": 512})
+
+def _hf(model_class, config_class, tiny: dict, real: dict | None = None):
+    """A builder: `model_class(config_class(**tiny))`, or the library's defaults (or `real`) at size "real"."""
+    return lambda size: model_class(config_class(**(tiny if size == "tiny" else real or {})))
+
+
+_TINY_TEXT = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  max_position_embeddings=64)
+_TINY_VIT = dict(image_size=TINY_IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=64)
+T = transformers
+
+CORPUS: tuple[Entry, ...] = (
+    Entry("ResNet", "vision", _hf(T.ResNetModel, T.ResNetConfig,
+                                  dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])), IMAGE),
+    Entry("MobileNetV2", "vision", _hf(T.MobileNetV2Model, T.MobileNetV2Config,
+                                       dict(image_size=TINY_IMAGE, depth_multiplier=0.25)), IMAGE),
+    Entry("EfficientNet", "vision", _hf(T.EfficientNetModel, T.EfficientNetConfig,
+                                        dict(image_size=TINY_IMAGE, width_coefficient=0.25, depth_coefficient=0.25,
+                                             hidden_dim=320),
+                                        dict(image_size=REAL_IMAGE)), IMAGE),
+    Entry("ConvNeXt", "vision", _hf(T.ConvNextModel, T.ConvNextConfig,
+                                    dict(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2)), IMAGE),
+    Entry("Swin", "vision", _hf(T.SwinModel, T.SwinConfig,
+                                dict(image_size=TINY_IMAGE, patch_size=4, embed_dim=8, depths=[1, 1],
+                                     num_heads=[1, 2], window_size=4)), IMAGE),
+    Entry("ViT", "vision", _hf(T.ViTModel, T.ViTConfig, _TINY_VIT), IMAGE),
+    Entry("DeiT", "vision", _hf(T.DeiTModel, T.DeiTConfig, _TINY_VIT), IMAGE),
+    Entry("Segformer", "vision", _hf(T.SegformerModel, T.SegformerConfig,
+                                     dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                                          num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2],
+                                          mlp_ratios=[2, 2])), IMAGE),
+    Entry("BERT", "text", _hf(T.BertModel, T.BertConfig, _TINY_TEXT), TEXT),
+    Entry("RoBERTa", "text", _hf(T.RobertaModel, T.RobertaConfig, _TINY_TEXT), TEXT),
+    Entry("DistilBERT", "text", _hf(T.DistilBertModel, T.DistilBertConfig,
+                                    dict(vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                         max_position_embeddings=64)), TEXT),
+    Entry("GPT-2", "text", _hf(T.GPT2Model, T.GPT2Config,
+                               dict(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
+                                    eos_token_id=0)), TEXT),
+    Entry("T5-encoder", "text", _hf(T.T5EncoderModel, T.T5Config,
+                                    dict(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2)),
+          TEXT),
+    Entry("Whisper-encoder", "audio", _hf(WhisperEncoder, T.WhisperConfig,
+                                          dict(num_mel_bins=16, d_model=32, encoder_layers=2,
+                                               encoder_attention_heads=2, encoder_ffn_dim=64,
+                                               max_source_positions=32)),
+          lambda size, batch: (torch.randn(batch, 16, 64) if size == "tiny" else torch.randn(batch, 80, 3000),)),
+)
+
+BY_NAME = {e.name: e for e in CORPUS}
+
+
+def build(name: str, size: str = "tiny", batch: int = 2, training: bool = False, dtype=torch.float64,
+          seed: int = 0) -> tuple[torch.nn.Module, tuple]:
+    """The model `name` in train or eval mode, in `dtype`, with its example inputs (same seed, same weights)."""
+    entry = BY_NAME[name]
+    torch.manual_seed(seed)
+    model = entry.build(size).to(dtype).train(training)
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in entry.inputs(size, batch))
+    return model, inputs

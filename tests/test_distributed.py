@@ -1,0 +1,106 @@
+"""The distributed engines around fxopt: two CPU processes with gloo (loopback, spawn).
+
+Each test runs the same engine on the unoptimized and the optimized model from the same weights and
+data, takes a few SGD steps, and requires the same parameters on every rank: `DDP(fxopt.optimize(...))`
+with a memory budget, `DDP(torch.compile(model, backend="fxopt"))` (Inductor: slow), and FSDP2
+`fully_shard(fxopt.optimize(...))`; each with and without bfloat16 autocast around the step.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fxopt
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+STEPS = 3
+
+
+def small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).train()
+
+
+def batches(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data, the same for both models
+    return [torch.randn(4, 3, 8, 8, generator=gen) for _ in range(STEPS)]
+
+
+def train(model: nn.Module, data: list[torch.Tensor], autocast: bool) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in data:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers, gathered from shards (FSDP2 DTensors) where there are any."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def wrap(engine: str, model: nn.Module) -> nn.Module:
+    if engine == "ddp":
+        return DDP(model)
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model)
+    return model
+
+
+def worker(rank: int, init_file: str, engine: str, optimizer: str, autocast: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        data = batches(rank)
+        reference = small_net()
+        candidate = copy.deepcopy(reference)
+        if optimizer == "optimize":
+            candidate = fxopt.optimize(candidate, (data[0],), memory_budget=0.5)
+            assert candidate.fxopt_report["checkpoint_activations"].changed, "the budget checkpointed nothing"
+        train(wrap(engine, reference), data, autocast)
+        if optimizer == "compile":
+            engine_model = wrap(engine, torch.compile(candidate, backend="fxopt"))
+        else:
+            engine_model = wrap(engine, candidate)
+        train(engine_model, data, autocast)
+        want, got = full_state(reference), full_state(candidate)
+        tol = 2e-2 if autocast else 1e-5  # bf16 rounds differently once ops are reordered
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol, msg=lambda m, k=k: f"rank {rank} {k}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_processes(engine: str, optimizer: str, autocast: bool) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(os.path.join(tmp, "init"), engine, optimizer, autocast), nprocs=WORLD, join=True)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_engine_around_optimized_model_trains_like_the_original(engine, autocast):
+    """DDP / FSDP2 around fxopt.optimize(model, memory_budget=0.5) reach the same parameters as around the model."""
+    run_two_processes(engine, "optimize", autocast)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_ddp_compiled_with_fxopt_backend_trains_like_the_original(autocast):
+    """DDP(torch.compile(model, backend="fxopt")) with Inductor reaches DDP(model)'s parameters."""
+    run_two_processes("ddp", "compile", autocast)
