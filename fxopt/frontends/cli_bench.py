@@ -20,7 +20,7 @@ from tabulate import tabulate
 
 from ..errors import FxoptError
 from ..measure import measure_peak
-from ..pipeline.verify import flatten_tensors
+from ..tree import flatten_tensors
 from .api import optimize
 from .cli_inspect import human_bytes
 from .cli_progress import Progress

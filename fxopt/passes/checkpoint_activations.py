@@ -61,7 +61,7 @@ import torch.utils.checkpoint
 from ..analysis.aliasing import is_inplace_op
 from ..analysis.memory import Region, StepProfile, estimate, step_profile
 from ..analysis.ops import match_batch_norm
-from ..analysis.saved_tensors import op_name
+from ..op_names import op_name
 from ..analysis.side_effects import MUTATION, effects
 from ..errors import FxoptError
 from ._checkpoint_plan import plan_regions
