@@ -41,7 +41,7 @@ When it refuses (reason in the report):
                       recorded (the nodes around it still run without grad)
   region              a grad-mode or autocast region of an exported graph outside the loss: it runs
                       as the user wrote it (a barrier), the nodes around it run without grad
-  module_has_hooks    the conv/BN module has hooks, which a functional replacement would skip
+  module_hooks        the conv/BN module has hooks, which a functional replacement would skip
   unsupported_conv    padding_mode other than zeros, ConvTranspose with output_size, string padding
   unbatched           a conv input without a batch dimension
   mixed_dtype         a BatchNorm whose statistics and input differ in dtype (autocast, half)
@@ -249,7 +249,7 @@ class PruneDeadGrads(Pass):
     def _refusal(node: fx.Node, gm: fx.GraphModule, needs: GradNeeds, input_node: fx.Node) -> tuple[str, str]:
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
         if module is not None and _torch_private.module_hooks(module):
-            return "module_has_hooks", f"hooks: {', '.join(_torch_private.module_hooks(module))}"
+            return "module_hooks", f"hooks: {', '.join(_torch_private.module_hooks(module))}"
         saved = really_saved(node, gm, needs.requires_grad)
         if saved is None or input_node not in saved.saved_inputs:
             return "no_waste", "the op keeps no copy of its input here"
