@@ -347,6 +347,19 @@ def test_unreachable_budget_is_loud():
     assert all("frees 0.00 MB" not in s.detail for s in report["checkpoint_activations"].sites)
 
 
+def test_unreachable_budget_is_a_budget_unreachable_refusal_and_keeps_the_step():
+    """No plan fits: one `budget_unreachable` refusal at `<graph>`, and the lowest plan applied computes the same step."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=4, width=64), torch.randn(32, 64)
+    with pytest.warns(UserWarning, match="NOT met"):
+        opt = _optimize(model, (x,), 0.01)
+    report = opt.fxopt_report["checkpoint_activations"]
+    assert report.stats["refused_budget_unreachable"] == 1
+    assert [s.node for s in report.sites if s.reason == "budget_unreachable"] == ["<graph>"]
+    assert _regions(opt)
+    assert_same_step(model, opt, (x,), training=True)
+
+
 def test_training_pipeline_checkpoints_before_inplace_relu():
     """Default order: ReLUs are no `mutation` refusals for the planner; inplace_relu still runs after it."""
     torch.manual_seed(0)

@@ -19,7 +19,8 @@ from fxopt.guards import TRAIN_MODE
 from fxopt.measure import measure_saved_bytes
 from fxopt.passes.base import PassContext
 from fxopt.passes.prune_dead_grads import PruneDeadGrads
-from fxopt.pipeline.verify import flatten_tensors, max_difference
+from fxopt.pipeline.verify import max_difference
+from fxopt.tree import flatten_tensors
 
 PRUNE = ["prune_dead_grads"]
 

@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxopt.analysis.shapes import propagate_shapes
-from fxopt.analysis.saved_tensors import op_name, saved_bytes, saved_for_backward
+from fxopt.analysis.saved_tensors import saved_bytes, saved_for_backward
+from fxopt.op_names import op_name
 from fxopt.passes._relu_mask import relu_mask, relu_mask_
 
 fx.wrap("relu_mask")

@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .. import _torch_private
-from .saved_tensors import op_name
+from ..op_names import op_name
 
 # kind -> (its parameters in functional argument order, with their defaults)
 _PARAMETERS: dict[str, dict[str, Any]] = {

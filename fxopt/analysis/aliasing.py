@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .. import _torch_private
-from .saved_tensors import dropout_training, is_known_op, op_name
+from ..op_names import op_name
+from .saved_tensors import dropout_training, is_known_op
 from .shapes import tensor_meta
 
 # Ops whose output is (or may be) a view of, or the same tensor as, their first tensor input.

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import _torch_private
-from ..pipeline.verify import flatten_tensors
+from ..tree import flatten_tensors
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from ..capture.state import preserved_state
+from ..state_preservation import preserved_state
 
 
 def _to_meta(value):

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from .call_spec import CallSpec
-from .state import preserved_state
+from ..state_preservation import preserved_state
 
 _REASON_WIDTH = 300
 _TORCH_DIR = os.path.dirname(torch.__file__)

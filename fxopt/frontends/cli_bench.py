@@ -10,7 +10,6 @@ graph, so the compiled variant has no peak figure.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -18,9 +17,8 @@ from collections.abc import Callable
 import torch
 from tabulate import tabulate
 
-from ..errors import FxoptError
 from ..measure import measure_peak
-from ..pipeline.verify import flatten_tensors
+from ..tree import flatten_tensors
 from .api import optimize
 from .cli_inspect import human_bytes
 from .cli_progress import Progress
@@ -47,10 +45,6 @@ def _step(module, inputs: tuple, training: bool) -> Callable[[], None]:
     return step
 
 
-def _compile_available() -> bool:
-    return importlib.util.find_spec("fxopt.frontends.backend") is not None
-
-
 def _build_variants(model, inputs, mode: str, passes, options: dict, compile_: bool, progress: Progress):
     progress.phase("optimizing with fxopt")
     start = time.perf_counter()
@@ -58,9 +52,6 @@ def _build_variants(model, inputs, mode: str, passes, options: dict, compile_: b
                 Variant("fxopt", optimize(model, inputs, mode=mode, passes=passes, **options),
                         time.perf_counter() - start)]
     if compile_:
-        if not _compile_available():
-            raise FxoptError("--compile needs the torch.compile backend fxopt.frontends.backend, "
-                             "which this installation does not have")
         progress.phase("compiling with torch.compile(backend='fxopt') (first call)")
         backend_options = {**options, **({"passes": list(passes)} if passes is not None else {})}
         compiled = torch.compile(model, backend="fxopt", options=backend_options)

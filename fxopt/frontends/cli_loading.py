@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from ..capture.state import preserved_state
+from ..state_preservation import preserved_state
 from ..errors import FxoptError
 from .cli_args import DEFAULT_INT_HIGH, DTYPE_NAMES
 

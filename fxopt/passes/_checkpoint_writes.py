@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from ..analysis.aliasing import AliasInfo, is_inplace_op
 from ..analysis.memory import Region, Step
-from ..analysis.saved_tensors import op_name
+from ..op_names import op_name
 from ..analysis.side_effects import MUTATION, effects
 from ._checkpoint_region import can_recompute_batch_norm, is_lone_state_update
 

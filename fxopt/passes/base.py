@@ -44,6 +44,11 @@ class Site:
         return self.action == "refused"
 
 
+def any_changed(sites: list[Site]) -> bool:
+    """Whether a pass changed the graph: at least one site it did not refuse (a pass result, a report)."""
+    return any(not s.refused for s in sites)
+
+
 @dataclasses.dataclass
 class PassResult:
     """What one run of a pass did: counters, one record per site, and free-form figures."""
@@ -55,7 +60,7 @@ class PassResult:
 
     @property
     def changed(self) -> bool:
-        return any(not s.refused for s in self.sites)
+        return any_changed(self.sites)
 
     def record(self, action: str, node: fx.Node | str, reason: str = "", detail: str = "") -> None:
         """Note one site and count it under `action` (or `refused_<reason>`)."""

@@ -43,8 +43,10 @@ When a node stays out of every region (reason in the report):
   unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
 and no region keeps (as input, or as a selective region's cached output) a tensor written in place
 after it, through any alias (`kept_tensor_written_later`, fxopt.passes._checkpoint_writes): the
-recomputation would read the new values; the report names the value, its writer and a refused region;
-and the whole pass is skipped when the graph already holds its regions (a second run changes
+recomputation would read the new values; the report names the value, its writer and a refused region.
+When no plan fits `memory_budget` (`budget_unreachable`, at `<graph>`), the pass applies the plan
+with the lowest reachable peak and reports that peak and what stood in the way (headline: NOT met).
+The whole pass is skipped when the graph already holds its regions (a second run changes
 nothing), cannot run on fake tensors, or is handed on to torch.compile (whose partitioner
 decides recomputation itself).
 """
@@ -61,7 +63,7 @@ import torch.utils.checkpoint
 from ..analysis.aliasing import is_inplace_op
 from ..analysis.memory import Region, StepProfile, estimate, step_profile
 from ..analysis.ops import match_batch_norm
-from ..analysis.saved_tensors import op_name
+from ..op_names import op_name
 from ..analysis.side_effects import MUTATION, effects
 from ..errors import FxoptError
 from ._checkpoint_plan import plan_regions

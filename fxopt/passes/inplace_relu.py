@@ -47,10 +47,10 @@ import torch.fx as fx
 
 from ..analysis.activations import ActivationCall, match_activation
 from ..analysis.aliasing import AliasInfo, has_internal_overlap, returns_several_views
-from ..analysis.saved_tensors import (dropout_training, is_known_op, keeps_output_only_in_place, op_name,
-                                      saved_for_backward)
+from ..analysis.saved_tensors import dropout_training, is_known_op, keeps_output_only_in_place, saved_for_backward
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import MUTATION, effects
+from ..op_names import op_name
 from ._relu_mask import relu_mask, relu_mask_
 from .base import TRAINING, Pass, PassContext, PassResult, site_name
 

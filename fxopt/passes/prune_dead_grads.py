@@ -41,7 +41,7 @@ When it refuses (reason in the report):
                       recorded (the nodes around it still run without grad)
   region              a grad-mode or autocast region of an exported graph outside the loss: it runs
                       as the user wrote it (a barrier), the nodes around it run without grad
-  module_has_hooks    the conv/BN module has hooks, which a functional replacement would skip
+  module_hooks        the conv/BN module has hooks, which a functional replacement would skip
   unsupported_conv    padding_mode other than zeros, ConvTranspose with output_size, string padding
   unbatched           a conv input without a batch dimension
   mixed_dtype         a BatchNorm whose statistics and input differ in dtype (autocast, half)
@@ -70,30 +70,17 @@ from .. import _torch_private
 from ..analysis.costs import estimate_costs, placeholder_values
 from ..analysis.grad_needs import GradNeeds, analyze_grad_needs, really_saved
 from ..analysis.ops import ConvCall, match_batch_norm, match_conv, materialize, region_of, resolve
-from ..analysis.saved_tensors import op_name
+from ..op_names import op_name
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import importable_name, removable_if_unused
 from ..analysis.written_state import state_key, written_state
 from ..capture.naming import module_path
 from ..errors import FxoptError
 from ..guards import TRAIN_MODE, Guard
+from ..output_selection import chosen_outputs, parse_differentiable_outputs
 from ._frozen_ops import (call_method_without_grad, call_without_grad, conv_saving_what_grads_need,
                           eval_batch_norm_scale_shift)
 from .base import INFERENCE, Pass, PassContext, PassResult, model_name, site_name
-
-
-def parse_differentiable_outputs(value) -> tuple | None:
-    """None, or a tuple of output indices (ints) or of dict keys (strs); anything else is an FxoptError."""
-    if value is None:
-        return None
-    items = [value] if isinstance(value, (int, str)) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(i, (int, str)) and not isinstance(i, bool)
-                                                     for i in items):
-        raise FxoptError(f"differentiable_outputs must be None, an output index, a dict key, or a list of "
-                         f"them; got {value!r}")
-    if len({type(i) for i in items}) > 1:
-        raise FxoptError(f"differentiable_outputs mixes indices and keys: {value!r}")
-    return tuple(items)
 
 
 def output_entries(gm: fx.GraphModule) -> dict[Hashable, tuple[int, ...]]:
@@ -114,32 +101,6 @@ def output_entries(gm: fx.GraphModule) -> dict[Hashable, tuple[int, ...]]:
 def _flat_outputs(gm: fx.GraphModule) -> list:
     out = gm.graph.find_nodes(op="output")[0].args[0]
     return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
-def entries_of(out) -> dict[Hashable, object]:
-    """A returned structure's entries by index (tuple/list or a single value) or key (dict)."""
-    if isinstance(out, dict):
-        return dict(out)
-    if isinstance(out, (tuple, list)):
-        return dict(enumerate(out))
-    return {0: out}
-
-
-def chosen_outputs(entries: dict, selection: tuple) -> set:
-    """The keys of `entries` that `selection` (parsed differentiable_outputs) names; bad names: FxoptError."""
-    keyed = bool(entries) and all(isinstance(k, str) for k in entries)
-    for item in selection:
-        if isinstance(item, str) and not keyed:
-            raise FxoptError(f"differentiable_outputs names key {item!r}, but the model returns "
-                             f"{len(entries)} positional output(s); use indices 0..{len(entries) - 1}")
-        if isinstance(item, int) and keyed:
-            raise FxoptError(f"differentiable_outputs gives index {item}, but the model returns a dict; "
-                             f"use its keys: {', '.join(map(repr, entries))}")
-        if item not in entries:
-            what = (f"keys: {', '.join(map(repr, entries))}" if keyed
-                    else f"{len(entries)} output(s), indices 0..{len(entries) - 1}")
-            raise FxoptError(f"differentiable_outputs {item!r} is not an output of the model ({what})")
-    return set(selection)
 
 
 def _is_trainable(ref, gm: fx.GraphModule, needs: GradNeeds) -> bool:
@@ -288,7 +249,7 @@ class PruneDeadGrads(Pass):
     def _refusal(node: fx.Node, gm: fx.GraphModule, needs: GradNeeds, input_node: fx.Node) -> tuple[str, str]:
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
         if module is not None and _torch_private.module_hooks(module):
-            return "module_has_hooks", f"hooks: {', '.join(_torch_private.module_hooks(module))}"
+            return "module_hooks", f"hooks: {', '.join(_torch_private.module_hooks(module))}"
         saved = really_saved(node, gm, needs.requires_grad)
         if saved is None or input_node not in saved.saved_inputs:
             return "no_waste", "the op keeps no copy of its input here"

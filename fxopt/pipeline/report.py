@@ -10,7 +10,7 @@ from tabulate import tabulate
 
 from ..capture import OpaqueModule, Specialization
 from ..guards import Guard, GuardSet
-from ..passes.base import Site
+from ..passes.base import Site, any_changed
 
 
 @dataclasses.dataclass
@@ -29,7 +29,7 @@ class PassReport:
 
     @property
     def changed(self) -> bool:
-        return any(not s.refused for s in self.sites)
+        return any_changed(self.sites)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -18,19 +18,10 @@ import torch
 
 from ..errors import FxoptError
 from ..model_copy import independent_copy
+from ..output_selection import chosen_outputs, entries_of, parse_differentiable_outputs
+from ..tree import flatten_tensors
 
 SEED = 20261129
-
-
-def flatten_tensors(obj) -> list[torch.Tensor]:
-    """Every tensor in a nested output (tuples, lists, dicts, Hugging Face ModelOutputs), in order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in flatten_tensors(v)]
-    if isinstance(obj, (tuple, list)):
-        return [t for v in obj for t in flatten_tensors(v)]
-    return []
 
 
 @dataclasses.dataclass
@@ -41,9 +32,6 @@ class StepResult:
 
 def differentiated_outputs(output, declared) -> list[torch.Tensor]:
     """The output tensors a loss differentiates: all, or the entries `declared` names (indices or dict keys)."""
-    # imported here: the pass imports this module (through fxopt.analysis.costs)
-    from ..passes.prune_dead_grads import chosen_outputs, entries_of, parse_differentiable_outputs
-
     selection = parse_differentiable_outputs(declared)
     if selection is None:
         return flatten_tensors(output)

@@ -1,0 +1,68 @@
+"""Run a model for information without leaving a trace on it or on its inputs.
+
+Capture runs the model (export runs its Python `forward` on fake tensors, and the fallback runs
+it once for real to record each child's call). A `forward` may write anything it can reach:
+buffers (`self.count += 1`), parameters (`self.ema.mul_(0.9)` under no_grad), plain tensor
+attributes (`self.t.add_(1)` — export runs such writes on the real tensor), its inputs
+(`x.mul_(2)`), or rebind an attribute (`self.t = self.t + 1`). `preserved_state` snapshots all
+of them, and the RNG, and puts every one back on exit.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import _torch_private
+from .tree import tensors_in
+
+
+class _Snapshot:
+    """Every tensor a forward can reach through `module` or `inputs`, with a copy of its value and its version."""
+
+    def __init__(self, module: torch.nn.Module, inputs, parameters: bool):
+        self.slots = []  # (owner dict, key, tensor object, saved value, version)
+        for m in module.modules():
+            for slots in (m._parameters, m._buffers, m.__dict__) if parameters else (m._buffers, m.__dict__):
+                for key, value in list(slots.items()):
+                    if isinstance(value, torch.Tensor) and not _is_lazy(value):
+                        self.slots.append((slots, key, value, *_saved(value)))
+        self.inputs = [(x, *_saved(x)) for x in tensors_in(inputs)]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for slots, key, tensor, saved, version in self.slots:
+                slots[key] = tensor  # a forward may have rebound the attribute
+                _put_back(tensor, saved, version)
+            for tensor, saved, version in self.inputs:
+                _put_back(tensor, saved, version)
+
+
+def _saved(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return t.detach().clone(), _torch_private.tensor_version(t)
+
+
+def _is_lazy(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+
+
+def _put_back(tensor: torch.Tensor, saved: torch.Tensor, version: int) -> None:
+    """Write `saved` back into `tensor` if something wrote it in place (its version moved on)."""
+    if _torch_private.tensor_version(tensor) != version and tensor.shape == saved.shape:  # expanded: not writable
+        tensor.copy_(saved)
+
+
+@contextlib.contextmanager
+def preserved_state(module: torch.nn.Module, inputs=(), parameters: bool = True):
+    """Snapshot what a forward of `module` on `inputs` may change, and the CPU/CUDA RNG; restore on exit.
+
+    `parameters=False` leaves parameters out (copying them is most of the cost): for runs that
+    cannot write them, such as torch.export's, which turns writes to parameters into graph ops.
+    """
+    snapshot = _Snapshot(module, inputs, parameters)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            snapshot.restore()
