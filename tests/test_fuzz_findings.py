@@ -26,9 +26,6 @@ class WriteAfterRegion(nn.Module):
         return y, self.conv(t * t)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "checkpoint_activations (owned by core): a region whose inputs are written in place after it recomputes from "
-    "the overwritten tensors; backward fails with 'modified by an inplace operation' (fuzz seed 20306)"))
 def test_checkpoint_refuses_region_whose_input_is_written_later():
     """A checkpointed region must not keep, for recompute, a tensor the model overwrites after the region."""
     model = WriteAfterRegion().double().train()
@@ -45,9 +42,6 @@ def test_short_fuzz_run_finds_nothing_new():
     assert not findings, "\n".join(findings)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "capture (being rewritten on core) runs the model on the caller's example inputs: a model whose first op "
-    "is an in-place activation writes into them (fuzz seed 316)"))
 @pytest.mark.parametrize("mode", ["inference", "training"])
 def test_optimize_leaves_the_example_inputs_alone(mode):
     """optimize() must not write into the caller's example inputs, even when the model writes its input in place."""
