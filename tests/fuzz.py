@@ -372,9 +372,10 @@ def next_random(model: torch.nn.Module, case: Case) -> torch.Tensor:
     """What the global RNG gives after one training step (forward + backward) of a copy of `model`."""
     from fxopt.pipeline.verify import differentiated_outputs
     model = copy.deepcopy(model)
+    inputs = copy.deepcopy(case.inputs)  # a model may write its input in place: the case's inputs stay as generated
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
-        outputs = differentiated_outputs(model(*case.inputs), case.options.get("differentiable_outputs"))
+        outputs = differentiated_outputs(model(*inputs), case.options.get("differentiable_outputs"))
         loss = sum(o.sum() for o in outputs if o.requires_grad)
         if isinstance(loss, torch.Tensor):
             loss.backward()
@@ -413,9 +414,6 @@ KNOWN = (
     ("fold_conv_bn", "differs by",
      "found by this fuzzer: folding a BN -> BN chain re-emits the conv past an in-place write to its input "
      "(seed 59745474); test_fuzz_findings.py"),
-    ("", "re-optimized: output",
-     "found by this fuzzer, not reduced yet: a re-optimized training result computes differently (seeds 316, "
-     "59226135, 59226296: models that write their input in place; probably the capture bug above)"),
 )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 from equivalence import assert_same_step
-from fuzz import fuzz
+from fuzz import check, fuzz, valid_case
 
 import fxopt
 
@@ -71,6 +71,15 @@ def test_reoptimizing_a_checkpointed_training_result_changes_nothing():
     assert once.fxopt_report["checkpoint_activations"].changed
     twice = fxopt.optimize(once, inputs, memory_budget=0.3)
     assert_same_step(model, twice, inputs, training=True, rtol=1e-9, atol=1e-9)
+
+
+def test_fuzzer_compares_a_model_that_writes_its_input_on_the_inputs_eager_saw():
+    """The fuzzer's RNG check runs the model on copies of the case's inputs, so a model that writes its input in place
+    (seed 316, re-optimized) is compared with eager on the generated inputs, not on ones a previous run overwrote."""
+    case = valid_case(316)
+    assert case.reoptimize
+    outcome = check(case)
+    assert outcome.status == "ok", outcome.detail
 
 
 class WriteBetweenFolds(nn.Module):
