@@ -372,9 +372,10 @@ def next_random(model: torch.nn.Module, case: Case) -> torch.Tensor:
     """What the global RNG gives after one training step (forward + backward) of a copy of `model`."""
     from fxopt.pipeline.verify import differentiated_outputs
     model = copy.deepcopy(model)
+    inputs = copy.deepcopy(case.inputs)  # a model may write its input in place: the case's inputs stay as generated
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
-        outputs = differentiated_outputs(model(*case.inputs), case.options.get("differentiable_outputs"))
+        outputs = differentiated_outputs(model(*inputs), case.options.get("differentiable_outputs"))
         loss = sum(o.sum() for o in outputs if o.requires_grad)
         if isinstance(loss, torch.Tensor):
             loss.backward()
@@ -410,17 +411,9 @@ KNOWN = (
      "issue #13 (fixed on core): leaky_relu/ELU made in place although the model writes the result in place later"),
     ("prune_dead_grads", "buffer:",
      "issue #13 (fixed on core): an unread train-mode F.batch_norm removed with its running-statistics update"),
-    ("checkpoint_activations", "modified by an inplace operation",
-     "found by this fuzzer: a region input written in place after the region; test_fuzz_findings.py"),
     ("fold_conv_bn", "differs by",
      "found by this fuzzer: folding a BN -> BN chain re-emits the conv past an in-place write to its input "
      "(seed 59745474); test_fuzz_findings.py"),
-    (None, "wrote into the caller's example inputs",
-     "found by this fuzzer: capture runs the model on the caller's example inputs, so an in-place op on an "
-     "input writes into them (capture is being rewritten on core); test_fuzz_findings.py"),
-    ("", "re-optimized: output",
-     "found by this fuzzer, not reduced yet: a re-optimized training result computes differently (seeds 316, "
-     "59226135, 59226296: models that write their input in place; probably the capture bug above)"),
 )
 
 

@@ -1,13 +1,15 @@
 """fxopt.optimize: what it returns, and a clear FxoptError (never a raw traceback) for every bad input."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 import fxopt
-from equivalence import assert_same_step
+from equivalence import assert_same_step, assert_same_training_steps
 from fxopt.capture.specialized import SpecializedCall
 from fxopt.passes import PASSES
 
@@ -148,3 +150,17 @@ def test_inference_result_is_independent_of_the_callers_model():
     optimized.double().train()
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert not any(m.training for m in model.modules())
+
+
+def test_optimizing_a_checkpointed_training_result_again_steps_like_eager():
+    """A training result holding checkpointed regions, optimized again, still checkpoints and matches eager over 2 steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU()) for _ in range(4)])
+    model = model.double().train()
+    inputs = (torch.randn(8, 16, dtype=torch.float64),)
+    reference = copy.deepcopy(model)
+    once = fxopt.optimize(model, inputs, mode="training", memory_budget=0.5)
+    assert once.fxopt_report["checkpoint_activations"].changed
+    twice = fxopt.optimize(once, inputs, mode="training", memory_budget=0.5)
+    assert twice.fxopt_report["checkpoint_activations"].changed  # the regions are there again, not dropped
+    assert_same_training_steps(reference, twice, inputs)

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import fxopt
-from equivalence import assert_same_step, assert_state_unchanged, state_snapshot
+from equivalence import assert_same_step, assert_same_training_steps, assert_state_unchanged, state_snapshot
 from fxopt.capture import capture
 from fxopt.capture.naming import module_path
 from fxopt.capture.specialized import SpecializedCall
@@ -655,3 +655,18 @@ def test_optimized_module_survives_torch_save_and_load(mode, tmp_path):
     torch.save(autocast, tmp_path / "a.pt")
     inside, _ = torch.load(tmp_path / "a.pt", weights_only=False)(torch.randn(4, 8))
     assert inside.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("memory_budget", [None, 0.5])
+def test_cumulative_average_batchnorm_is_captured_and_steps_like_eager(memory_budget):
+    """A train-mode BatchNorm(momentum=None) exports whole (no data-dependent guard) and matches eager over 2 steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(8 * 6 * 6, 4)).double().train()
+    inputs = (torch.randn(4, 3, 6, 6, dtype=torch.float64),)
+    reference = copy.deepcopy(model)
+    optimized = fxopt.optimize(model, inputs, mode="training", memory_budget=memory_budget)
+    assert capture(model, inputs).opaque == []
+    assert_same_training_steps(reference, optimized, inputs)
+    assert int(optimized.state_dict()["1.num_batches_tracked"]) == 2

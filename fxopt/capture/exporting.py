@@ -25,6 +25,7 @@ import torch.fx as fx
 from .. import _torch_private
 from .call_spec import CallSpec
 from ..state_preservation import preserved_state
+from .cumulative_batchnorm import traceable_cumulative_batchnorm
 
 _REASON_WIDTH = 300
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -59,7 +60,7 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exporte
         return f"{type(e).__name__}: {e}"
     try:
         with preserved_state(module, (args, kwargs), parameters=False), _torch_private.refuse_user_checkpoint(), \
-                _torch_private.quiet_export_logs():
+                traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs():
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
     except Exception as e:  # noqa: BLE001 - any refusal keeps this module opaque, with export's reason
         return describe_failure(e, module)

@@ -12,6 +12,7 @@ from ..errors import FxoptError
 from ..guards import CALL, TRAIN_MODE, Guard, GuardSet, model_state_guards
 from ..model_copy import independent_copy
 from ..passes import PASSES
+from ..passes._checkpoint_region import CheckpointedRegion
 from ..passes.base import INFERENCE, TRAINING, PassContext
 from ..pipeline.instruments import Instrument
 from ..pipeline.manager import PassManager
@@ -67,12 +68,21 @@ def optimize(model: torch.nn.Module, example_inputs, *, mode: str = "auto", pass
     mode = resolve_mode(mode, model.training)
     settings = {"mode": mode, "passes": passes, "pass_options": dict(pass_options)}
     build_pipeline(mode, passes, pass_options)  # bad options fail here, before any copy or capture
-    if isinstance(model, OptimizedModule):  # optimized again: its current variant is the model to capture
-        model = model.graph_module
+    if isinstance(model, OptimizedModule):
+        model = _model_to_optimize_again(model)
     check_initialized(model)  # a lazy module cannot be copied: say why, not that deepcopy failed
     source = independent_copy(model) if mode == INFERENCE else model
     first = build_variant(source, example_inputs, {}, settings, verify=verify, instruments=instruments)
     return OptimizedModule(source, first, build_variant, settings)
+
+
+def _model_to_optimize_again(result: OptimizedModule) -> torch.nn.Module:
+    """What an fxopt result optimized again captures: its current variant, whose passes then find nothing
+    left to do; or, where that variant holds checkpointed regions (torch.utils.checkpoint calls, which
+    export would inline and drop), the model it stands for, optimized anew (the same parameters and buffers)."""
+    if any(isinstance(m, CheckpointedRegion) for m in result.graph_module.modules()):
+        return result.original
+    return result.graph_module
 
 
 def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: dict, *, verify: bool = False,
