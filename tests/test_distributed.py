@@ -92,8 +92,15 @@ def run_two_processes(engine: str, optimizer: str, autocast: bool) -> None:
         mp.spawn(worker, args=(os.path.join(tmp, "init"), engine, optimizer, autocast), nprocs=WORLD, join=True)
 
 
+# Known bug (issue #13, open): FSDP2's fully_shard around the guarded result of fxopt.optimize
+# (an OptimizedModule whose graph holds the unsharded Parameter objects) ends both processes with
+# SIGSEGV since the torch.export capture and the guarded result were merged. Strict, so a fix fails here.
+FSDP2_AROUND_RESULT = pytest.mark.xfail(
+    strict=True, reason="issue #13: fully_shard(fxopt.optimize(...)) crashes the processes (SIGSEGV)")
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", pytest.param("fsdp2", marks=FSDP2_AROUND_RESULT)])
 def test_engine_around_optimized_model_trains_like_the_original(engine, autocast):
     """DDP / FSDP2 around fxopt.optimize(model, memory_budget=0.5) reach the same parameters as around the model."""
     run_two_processes(engine, "optimize", autocast)

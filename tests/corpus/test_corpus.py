@@ -8,12 +8,7 @@ from corpus_models import CORPUS
 pytestmark = pytest.mark.corpus
 
 # Known bugs, each with its issue; strict, so the fix turns the entry into a failure to delete.
-CHECKPOINT_TRAIN_BN = pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="issue #13 (fixed on core): checkpoint_activations recomputes a train-mode BatchNorm in a selective "
-           "region and backward fails with 'aten.clone.default encountered during backward but not found in storage'")
-KNOWN = {("MobileNetV2", "training+budget"): CHECKPOINT_TRAIN_BN,
-         ("EfficientNet", "training+budget"): CHECKPOINT_TRAIN_BN}
+KNOWN: dict = {}
 
 
 @pytest.mark.parametrize(("model_name", "variant"), [
