@@ -112,3 +112,13 @@ def test_fold_does_not_move_a_conv_past_a_write_to_its_input():
     inputs = (torch.randn(4, 3, 5, 5, dtype=torch.float64),)
     optimized = fxopt.optimize(model, inputs, mode="inference")
     assert_same_step(model, optimized, inputs, training=False, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open (issue #13): these fuzz seeds fail in backward with 'modified by an inplace operation' after the "
+    "default training pipeline; no single pass alone causes it (not yet reduced; fuzz.KNOWN lists it)"))
+@pytest.mark.parametrize("seed", [62_081_370, 60_060_570])
+def test_fuzz_seed_trains_like_eager(seed):
+    """The generated network of each seed trains like eager after the default pipeline."""
+    (outcome,) = fuzz(base_seed=seed, count=1, workers=1)
+    assert outcome.status == "ok", outcome.detail.splitlines()[0]
