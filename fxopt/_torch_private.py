@@ -257,6 +257,15 @@ def tensor_versions(tensors) -> list[int]:
 
 # ---- guards (fxopt.guards) ----
 
+def has_storage_bytes(t: torch.Tensor) -> bool:
+    """Whether a (plain or DTensor) tensor's storage still holds bytes; FSDP2 frees storages with resize_(0)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    try:
+        return local.untyped_storage().nbytes() > 0
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage of their own
+        return True
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """A tensor's version counter (bumped by every in-place change through autograd-visible ops)."""
     return t._version

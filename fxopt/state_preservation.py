@@ -25,9 +25,9 @@ class _Snapshot:
         for m in module.modules():
             for slots in (m._parameters, m._buffers, m.__dict__) if parameters else (m._buffers, m.__dict__):
                 for key, value in list(slots.items()):
-                    if isinstance(value, torch.Tensor) and not _is_lazy(value):
+                    if isinstance(value, torch.Tensor) and _has_data(value):
                         self.slots.append((slots, key, value, *_saved(value)))
-        self.inputs = [(x, *_saved(x)) for x in tensors_in(inputs)]
+        self.inputs = [(x, *_saved(x)) for x in tensors_in(inputs) if _has_data(x)]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -42,8 +42,12 @@ def _saved(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t.detach().clone(), _torch_private.tensor_version(t)
 
 
-def _is_lazy(t: torch.Tensor) -> bool:
-    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+def _has_data(t: torch.Tensor) -> bool:
+    """False for a lazy parameter, and for a tensor whose storage was freed (FSDP2 resizes the storage
+    of an unsharded parameter to 0 between uses): there is no value to save, and reading one crashes."""
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        return False
+    return t.numel() == 0 or t.is_meta or _torch_private.has_storage_bytes(t)
 
 
 def _put_back(tensor: torch.Tensor, saved: torch.Tensor, version: int) -> None:

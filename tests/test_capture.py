@@ -554,6 +554,17 @@ def test_capture_adds_no_attributes_to_the_callers_model():
     assert {id(m): dict(vars(m)) for m in model.modules()} == before
 
 
+def test_capture_runs_none_of_the_models_state_dict_hooks():
+    """Capture never calls the model's state_dict() (FSDP2's state_dict hook frees the parameters the graph reads)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).train()
+    calls = []
+    for m in model.modules():
+        m.register_state_dict_pre_hook(lambda module, prefix, keep_vars: calls.append(prefix))
+    optimized = fxopt.optimize(model, (torch.randn(3, 4),), mode="training")
+    assert calls == []
+    assert optimized.state_dict().keys() == model.state_dict().keys()
+
+
 def test_module_path_names_the_innermost_module():
     """Sites are named by the module that computed them, as the user's model names it."""
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))

@@ -8,9 +8,10 @@ with a memory budget, `DDP(torch.compile(model, backend="fxopt"))` (Inductor: sl
 from __future__ import annotations
 
 import copy
+import datetime
 import os
-import socket
 import tempfile
+import time
 
 import pytest
 import torch
@@ -25,6 +26,10 @@ pytestmark = pytest.mark.distributed
 
 WORLD = 2
 STEPS = 3
+# A crash in one process leaves the other waiting in a collective: every wait is bounded, so a bug
+# fails the test instead of hanging CI (a hung run once used the whole CI time).
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+TEST_DEADLINE_S = 240
 
 
 def small_net() -> nn.Module:
@@ -65,7 +70,8 @@ def wrap(engine: str, model: nn.Module) -> nn.Module:
 
 def worker(rank: int, init_file: str, engine: str, optimizer: str, autocast: bool) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=COLLECTIVE_TIMEOUT)
     try:
         data = batches(rank)
         reference = small_net()
@@ -88,19 +94,20 @@ def worker(rank: int, init_file: str, engine: str, optimizer: str, autocast: boo
 
 
 def run_two_processes(engine: str, optimizer: str, autocast: bool) -> None:
+    """Run `worker` on WORLD processes; a process that fails, crashes or outlives the deadline fails the test."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(os.path.join(tmp, "init"), engine, optimizer, autocast), nprocs=WORLD, join=True)
-
-
-# Known bug (issue #13, open): FSDP2's fully_shard around the guarded result of fxopt.optimize
-# (an OptimizedModule whose graph holds the unsharded Parameter objects) ends both processes with
-# SIGSEGV since the torch.export capture and the guarded result were merged. Strict, so a fix fails here.
-FSDP2_AROUND_RESULT = pytest.mark.xfail(
-    strict=True, reason="issue #13: fully_shard(fxopt.optimize(...)) crashes the processes (SIGSEGV)")
+        context = mp.start_processes(worker, args=(os.path.join(tmp, "init"), engine, optimizer, autocast),
+                                     nprocs=WORLD, join=False, start_method="spawn")
+        deadline = time.monotonic() + TEST_DEADLINE_S
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"the {WORLD} processes did not finish within {TEST_DEADLINE_S} s (killed)")
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("engine", ["ddp", pytest.param("fsdp2", marks=FSDP2_AROUND_RESULT)])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_engine_around_optimized_model_trains_like_the_original(engine, autocast):
     """DDP / FSDP2 around fxopt.optimize(model, memory_budget=0.5) reach the same parameters as around the model."""
     run_two_processes(engine, "optimize", autocast)

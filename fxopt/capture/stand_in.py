@@ -66,10 +66,21 @@ def _match_persistence(original: torch.nn.Module, gm: fx.GraphModule) -> None:
 
     A GraphModule registers every tensor its graph reads as a persistent buffer.
     """
-    saved = set(original.state_dict(keep_vars=True))
+    saved = _persistent_names(original)
     hidden = [name for name, _ in gm.named_buffers(remove_duplicate=False) if name not in saved]
     if hidden:
         _torch_private.make_buffers_non_persistent(gm, hidden)
+
+
+def _persistent_names(module: torch.nn.Module) -> set[str]:
+    """The parameter and buffer names `module.state_dict()` would hold, without calling it: state_dict hooks
+    run (FSDP2's frees the unsharded parameters the graph is about to read)."""
+    names = set()
+    for path, m in module.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        names.update(prefix + k for k, v in m._parameters.items() if v is not None)
+        names.update(prefix + k for k, v in m._buffers.items() if v is not None and k not in m._non_persistent_buffers_set)
+    return names
 
 
 def _keep_plain_attributes(original: torch.nn.Module, gm: fx.GraphModule) -> None:
