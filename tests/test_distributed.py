@@ -70,6 +70,7 @@ def wrap(engine: str, model: nn.Module) -> nn.Module:
 
 def worker(rank: int, init_file: str, engine: str, optimizer: str, autocast: bool) -> None:
     torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no dependence on the host name resolving
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=COLLECTIVE_TIMEOUT)
     try:
