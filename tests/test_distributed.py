@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
 import os
-import tempfile
+import socket
 import time
 
 import pytest
@@ -27,9 +28,11 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 STEPS = 3
 # A crash in one process leaves the other waiting in a collective: every wait is bounded, so a bug
-# fails the test instead of hanging CI (a hung run once used the whole CI time).
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
-TEST_DEADLINE_S = 240
+# fails the test instead of hanging CI (a hung run once used the whole CI time). The bounds leave
+# room for a loaded machine (a test takes ~5 s alone, up to ~60 s on 2 busy cores); a process still
+# running shortly before the deadline prints every thread's stack, so a hang says where it waits.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+TEST_DEADLINE_S = 300
 
 
 def small_net() -> nn.Module:
@@ -68,11 +71,11 @@ def wrap(engine: str, model: nn.Module) -> nn.Module:
     return model
 
 
-def worker(rank: int, init_file: str, engine: str, optimizer: str, autocast: bool) -> None:
+def worker(rank: int, init_method: str, engine: str, optimizer: str, autocast: bool) -> None:
+    faulthandler.dump_traceback_later(TEST_DEADLINE_S - 20, exit=False)
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no dependence on the host name resolving
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=COLLECTIVE_TIMEOUT)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback: no dependence on the host name resolving
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
     try:
         data = batches(rank)
         reference = small_net()
@@ -96,15 +99,20 @@ def worker(rank: int, init_file: str, engine: str, optimizer: str, autocast: boo
 
 def run_two_processes(engine: str, optimizer: str, autocast: bool) -> None:
     """Run `worker` on WORLD processes; a process that fails, crashes or outlives the deadline fails the test."""
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(worker, args=(os.path.join(tmp, "init"), engine, optimizer, autocast),
-                                     nprocs=WORLD, join=False, start_method="spawn")
-        deadline = time.monotonic() + TEST_DEADLINE_S
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"the {WORLD} processes did not finish within {TEST_DEADLINE_S} s (killed)")
+    context = mp.start_processes(worker, args=(f"tcp://127.0.0.1:{free_port()}", engine, optimizer, autocast),
+                                 nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + TEST_DEADLINE_S
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD} processes did not finish within {TEST_DEADLINE_S} s (killed; stacks above)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
