@@ -51,9 +51,20 @@ def _has_data(t: torch.Tensor) -> bool:
 
 
 def _put_back(tensor: torch.Tensor, saved: torch.Tensor, version: int) -> None:
-    """Write `saved` back into `tensor` if something wrote it in place (its version moved on)."""
-    if _torch_private.tensor_version(tensor) != version and tensor.shape == saved.shape:  # expanded: not writable
+    """Write `saved` back into `tensor` if something wrote it in place.
+
+    The version counter does not see every write: ATen's train-mode batch_norm updates the running
+    statistics inside the kernel without bumping it, so the values are compared as well.
+    """
+    if tensor.shape != saved.shape:  # an expanded tensor is not writable
+        return
+    if _torch_private.tensor_version(tensor) != version or not _same_values(tensor, saved):
         tensor.copy_(saved)
+
+
+def _same_values(tensor: torch.Tensor, saved: torch.Tensor) -> bool:
+    return tensor.dtype == saved.dtype and bool(torch.eq(tensor, saved).logical_or_(tensor.isnan() & saved.isnan()).all()) \
+        if tensor.is_floating_point() or tensor.is_complex() else torch.equal(tensor, saved)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,43 @@
+"""fxopt.state_preservation: a run for information leaves no trace on the model or its inputs."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from fxopt.state_preservation import preserved_state
+
+
+def test_running_statistics_written_by_an_exported_graph_are_restored():
+    """An exported train-mode BatchNorm updates running statistics without bumping their version; they are still put back."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
+    graph = torch.export.export(model, (torch.randn(2, 3, 8, 8),), strict=False).module()
+    before = {name: b.clone() for name, b in graph.named_buffers()}
+    with preserved_state(graph, (), parameters=False), torch.no_grad():
+        graph(torch.randn(2, 3, 8, 8))
+        assert any(not torch.equal(b, before[name]) for name, b in graph.named_buffers())
+    for name, b in graph.named_buffers():
+        torch.testing.assert_close(b, before[name], rtol=0, atol=0)
+
+
+def test_parameters_inputs_and_rng_are_restored():
+    """In-place writes to a parameter and to an input, and RNG draws, are all undone on exit."""
+    model = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    weight, given = model.weight.detach().clone(), x.clone()
+    state = torch.get_rng_state()
+    with preserved_state(model, (x,)), torch.no_grad():
+        model.weight.mul_(2)
+        x.add_(1)
+        torch.randn(5)
+    assert torch.equal(model.weight, weight) and torch.equal(x, given)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_nan_values_count_as_unchanged():
+    """A buffer holding NaN that nothing wrote is left as it is (NaN != NaN must not look like a write)."""
+    module = nn.Module()
+    module.register_buffer("b", torch.tensor([float("nan"), 1.0]))
+    buffer = module.b
+    with preserved_state(module, ()):
+        pass
+    assert module.b is buffer and torch.isnan(module.b[0]) and module.b[1] == 1.0
