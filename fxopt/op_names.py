@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from . import _torch_private
+from .graph_functions import declared
 
 # nn.Module types in the torch.nn namespace, by the op name their forward computes.
 _MODULE_OPS: dict[type, str] = {
@@ -48,7 +49,8 @@ def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
     """The op a node computes, the same name in every form ("relu", "conv2d", "relu_"), or None.
 
     In-place forms get a trailing underscore (`x.relu_()`, `F.relu(x, inplace=True)`,
-    `nn.ReLU(inplace=True)`). fxopt's own functions carry their name in `fxopt_op_name`.
+    `nn.ReLU(inplace=True)`). fxopt's own functions have the name they are declared with
+    (`fxopt.graph_functions`).
     Calls of anything else outside torch / operator / builtins are None.
     """
     if node.op == "call_method":
@@ -61,7 +63,8 @@ def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
         return name + "_" if getattr(module, "inplace", False) and name in _INPLACE_ARG else name
     if node.op != "call_function":
         return None
-    own = getattr(node.target, "fxopt_op_name", None) or _torch_private.aten_op_name(node.target)
+    helper = declared(node.target)
+    own = helper.name if helper is not None else _torch_private.aten_op_name(node.target)
     if own is not None:
         return own
     name = getattr(node.target, "__name__", None)

@@ -24,8 +24,6 @@ Anything not recognised is OPAQUE, so a caller that keeps effectful nodes is sou
 from __future__ import annotations
 
 import builtins
-import functools
-import importlib
 import inspect
 import math
 import operator
@@ -35,7 +33,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .. import _torch_private
-from ..graph_functions import declared
+from ..graph_functions import declared, import_by_name, qualified_name
 from .ops import region_of
 
 MUTATION, RNG, STATS, IO, OPAQUE = "mutation", "rng", "stats", "io", "opaque"
@@ -59,53 +57,11 @@ _MUTATING_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operat
                        operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
 _IO_METHODS = {"register_hook", "retain_grad", "backward", "record_stream", "__setitem__", "__delitem__"}
 _PURE_NAMESPACES = (operator, math)
-# fxopt's wrappers that run another callable without grad (fxopt.passes._frozen_ops): they have its effects.
-# The callable is their first argument: a submodule (get_attr), an importable function name, or a method name.
-WITHOUT_GRAD_WRAPPERS = {"fxopt.passes._frozen_ops.call_without_grad": "callable",
-                         "fxopt.passes._frozen_ops.call_method_without_grad": "method"}
 # ATen ops that draw random numbers only when their `train` argument (index) is true.
 _ATEN_DROPOUTS = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2,
                   "native_dropout": 2}
 _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
                     torch.nn.FeatureAlphaDropout, torch.nn.RReLU)
-
-
-def qualified_name(fn) -> str:
-    """`module.qualname` of a callable (how fxopt names its own helpers without importing them)."""
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
-
-
-@functools.cache
-def import_by_name(name: str):
-    """The object at `module.attr.attr` (the longest importable module prefix, then attributes)."""
-    parts = name.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            value = importlib.import_module(".".join(parts[:split]))
-        except (ImportError, TypeError, ValueError):
-            continue
-        for attr in parts[split:]:
-            value = getattr(value, attr)
-        return value
-    raise ImportError(f"cannot import {name!r}")
-
-
-def importable_name(fn) -> str | None:
-    """A name `import_by_name` turns back into `fn` (a graph can hold it as a string), or None.
-
-    torch's C functions report a class as their home (`torch._VariableFunctionsClass.relu`), so the
-    public namespaces are tried too.
-    """
-    short = getattr(fn, "__name__", "")
-    candidates = (qualified_name(fn), f"{getattr(fn, '__module__', None)}.{short}", f"torch.{short}",
-                  f"torch.nn.functional.{short}", f"operator.{short}")
-    for name in candidates:
-        try:
-            if import_by_name(name) is fn:
-                return name
-        except (ImportError, AttributeError):
-            continue
-    return None
 
 
 def _bound_flag(fn, args, kwargs, name: str, default):
@@ -123,9 +79,9 @@ def _is_torch_callable(fn) -> bool:
 
 def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
     name = getattr(fn, "__name__", "")
-    if qualified_name(fn) in WITHOUT_GRAD_WRAPPERS:
-        return _wrapped_effects(WITHOUT_GRAD_WRAPPERS[qualified_name(fn)], args[0], args[1:], kwargs, gm)
     helper = declared(fn)  # fxopt's own graph helpers declare their effects
+    if helper is not None and helper.runs_without_grad:
+        return _wrapped_effects(helper.runs_without_grad, args[0], args[1:], kwargs, gm)
     if helper is not None:
         return frozenset(kind for kind, flag in ((MUTATION, helper.mutates), (STATS, helper.updates_stats)) if flag)
     if isinstance(fn, _torch_private.op_overload_types()):
@@ -221,7 +177,7 @@ def _module_effects(module: torch.nn.Module) -> frozenset[str]:
 
 
 def _wrapped_effects(kind: str, target, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
-    """Effects of the callable an fxopt wrapper runs (see WITHOUT_GRAD_WRAPPERS)."""
+    """Effects of the callable an fxopt wrapper runs without grad (`Declared.runs_without_grad`)."""
     if kind == "method":
         return _method_effects(target, kwargs)
     if isinstance(target, fx.Node) and target.op == "get_attr":
