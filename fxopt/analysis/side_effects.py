@@ -5,8 +5,9 @@ torch.fx's own `eliminate_dead_code` trusts `Node.is_impure`, which calls every 
 misses `F.dropout`, `print`, `x.add_(y)` written as a method, and a train-mode BatchNorm that
 updates its running statistics. `effects(node, gm)` names every effect a node may have:
 
-  MUTATION  writes into a tensor it was given (in-place ops and methods, `inplace=True`, `out=`,
-            `operator.setitem`, augmented assignment on tensors)
+  MUTATION  writes into a tensor it was given: in-place ops, methods and augmented assignment on
+            tensors, `inplace=True` (the one in-place rule, `fxopt.op_names.is_inplace_call`, which
+            aliasing reads too), `out=`, `operator.setitem`
   RNG       draws from the random generator (dropout in training, `torch.rand*`, `bernoulli`, ...):
             dropping it shifts every later draw
   STATS     updates buffers: BatchNorm / InstanceNorm in training with running statistics (in every
@@ -24,7 +25,6 @@ Anything not recognised is OPAQUE, so a caller that keeps effectful nodes is sou
 from __future__ import annotations
 
 import builtins
-import inspect
 import math
 import operator
 
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .. import _torch_private
 from ..graph_functions import declared, import_by_name, qualified_name
+from ..op_names import bound_argument, is_inplace_call, is_inplace_op
 from .ops import region_of
 
 MUTATION, RNG, STATS, IO, OPAQUE = "mutation", "rng", "stats", "io", "opaque"
@@ -52,9 +53,8 @@ _RANDOM_WHEN_TRAINING = {
 _RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_", "geometric_",
                    "cauchy_", "log_normal_", "bernoulli_"}
 _IO_FUNCTIONS = {builtins.print, torch.manual_seed, torch.set_grad_enabled}  # asserts: fx_is_impure
-_MUTATING_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
-                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                       operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+# Writes that are not in-place ops (those follow fxopt.op_names.is_inplace_call: `x += y`, `relu_`, inplace=True).
+_WRITING_OPERATORS = {operator.setitem, operator.delitem}
 _IO_METHODS = {"register_hook", "retain_grad", "backward", "record_stream", "__setitem__", "__delitem__"}
 _PURE_NAMESPACES = (operator, math)
 # ATen ops that draw random numbers only when their `train` argument (index) is true.
@@ -62,15 +62,6 @@ _ATEN_DROPOUTS = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2, "featu
                   "native_dropout": 2}
 _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
                     torch.nn.FeatureAlphaDropout, torch.nn.RReLU)
-
-
-def _bound_flag(fn, args, kwargs, name: str, default):
-    """The value `fn(*args, **kwargs)` receives for parameter `name` (computed in the graph: None)."""
-    try:
-        value = inspect.signature(fn).bind(*args, **kwargs).arguments.get(name, default)
-    except (TypeError, ValueError):  # a builtin without a Python signature: keywords only
-        value = kwargs.get(name, default)
-    return None if isinstance(value, fx.Node) else value
 
 
 def _is_torch_callable(fn) -> bool:
@@ -91,18 +82,17 @@ def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> froz
     if fn in _IO_FUNCTIONS or name.lstrip("_").startswith(("assert", "check")) \
             or _torch_private.fx_is_impure(fn, args, kwargs):
         return frozenset({IO})
-    if fn in _MUTATING_OPERATORS or "out" in kwargs:
+    if fn in _WRITING_OPERATORS or "out" in kwargs:
         return frozenset({MUTATION})
+    inplace = is_inplace_call(fn, args, kwargs)
     if any(getattr(ns, name, None) is fn for ns in _PURE_NAMESPACES):
-        return NO_EFFECTS
+        return frozenset({MUTATION}) if inplace else NO_EFFECTS
     if not _is_torch_callable(fn):
         return frozenset({OPAQUE})
-    kinds = set()
-    if name.endswith("_") and not name.endswith("__") or _bound_flag(fn, args, kwargs, "inplace", False) is not False:
-        kinds.add(MUTATION)
+    kinds = {MUTATION} if inplace else set()
     if fn in _RANDOM_WHEN_TRAINING:
         default = _RANDOM_WHEN_TRAINING[fn]
-        if default is None or _bound_flag(fn, args, kwargs, "training", default) is not False:
+        if default is None or bound_argument(fn, args, kwargs, "training", default) is not False:
             kinds.add(RNG)
     if _updates_running_stats(fn, args, kwargs):
         kinds.add(STATS)
@@ -152,7 +142,7 @@ def _method_effects(name: str, kwargs: dict) -> frozenset[str]:
     kinds = set()
     if name in _IO_METHODS:
         kinds.add(IO)
-    if name.endswith("_") and not name.endswith("__") or name.startswith("__i") and name.endswith("__"):
+    if is_inplace_op(name):
         kinds.add(MUTATION)
     if name in _RANDOM_METHODS:
         kinds.add(RNG)
@@ -167,7 +157,7 @@ def _module_effects(module: torch.nn.Module) -> frozenset[str]:
     if not type(module).__module__.startswith("torch.nn.") or isinstance(module, fx.GraphModule):
         return frozenset({OPAQUE})
     kinds = set()
-    if getattr(module, "inplace", False):
+    if is_inplace_call(module):
         kinds.add(MUTATION)
     if module.training and (isinstance(module, _DROPOUT_MODULES) or getattr(module, "dropout", 0) not in (0, 0.0)):
         kinds.add(RNG)
