@@ -11,24 +11,21 @@ output magnitude. A variant that cannot take a model is listed with its reason.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from tabulate import tabulate
 from torch.fx.experimental.optimization import fuse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests", "corpus")]
+import corpus_cli  # noqa: E402
 import device as dev  # noqa: E402
-from corpus_models import CORPUS, build  # noqa: E402
+from corpus_models import build  # noqa: E402
 
 import fxopt  # noqa: E402
 from fxopt.pipeline.verify import flatten_tensors  # noqa: E402
@@ -110,26 +107,9 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    dev.add_arguments(parser)
-    parser.set_defaults(threads=1)  # tiny models on a shared CPU: one thread measures the model, not the load
-    parser.add_argument("--models", default="ResNet,MobileNetV2,BERT,ViT", help=f"any of {','.join(e.name for e in CORPUS)}")
-    parser.add_argument("--size", choices=["tiny", "real"], default="tiny")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
-    parser.add_argument("--json", help="also write the rows to this file")
-    args = parser.parse_args(argv)
-    device, dtype = dev.from_args(args)
-    warnings.filterwarnings("ignore")
-    rows = [r for name in args.models.split(",") for r in bench_model(name, args, device, dtype)]
-    print(f"inference, {dev.describe(device, dtype)}, size {args.size}, batch {args.batch}, "
-          f"median of {args.rounds}, torch {torch.__version__}")
-    print(tabulate([{k: v for k, v in r.items()} for r in rows], headers="keys", floatfmt=".3g"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "rows": rows}, f, indent=1)
-    return rows
+    p = corpus_cli.parser(__doc__, rounds=5, no_compile_help="skip the torch.compile variants")
+    args = p.parse_args(argv)
+    return corpus_cli.run(args, bench_model, "inference")
 
 
 if __name__ == "__main__":

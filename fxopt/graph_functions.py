@@ -1,37 +1,95 @@
 """fxopt's own functions inside graphs (`folded_conv_bn_params`, `relu_mask`, the no-grad wrappers, ...).
 
-Passes emit these helpers as single `call_function` nodes. Each is declared with
-`@graph_function`, saying what it does besides computing its result (`mutates`,
-`updates_stats`), which is what `fxopt.analysis.side_effects` reports for its calls.
+Passes emit these helpers as single `call_function` nodes. Each is declared once, with
+`@graph_function`, and every analysis reads that declaration (`declared(fn)`):
+
+  name               the op name analyses key their tables by (`fxopt.op_names.op_name`), e.g.
+                     "batch_norm" for a BatchNorm that updates its statistics once; None: no op name
+  mutates            writes into a tensor it is given (`fxopt.analysis.side_effects`: MUTATION)
+  updates_stats      updates BatchNorm running statistics (side_effects: STATS)
+  saves              bytes its backward keeps, given its node (it keeps neither its output nor its
+                     inputs as such: a bool mask, a weight); None: what the saved-for-backward table
+                     says for `name` (`fxopt.analysis.saved_tensors`)
+  runs_without_grad  "callable" or "method": it runs its first argument (a module, a function name, a
+                     method name) under `torch.no_grad()`, and has that call's effects (side_effects,
+                     `fxopt.analysis.grad_needs`)
+
+A graph holds a function it passes to a helper by name (fx cannot print a function object as an
+argument): `importable_name(fn)` gives that name, `import_by_name(name)` the function back.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)
 class Declared:
-    """What a graph helper does besides computing its result."""
+    """What a graph helper is and does besides computing its result (see module docstring)."""
 
-    mutates: bool = False  # writes into a tensor it is given
-    updates_stats: bool = False  # updates BatchNorm running statistics
+    name: str | None = None
+    mutates: bool = False
+    updates_stats: bool = False
+    saves: Callable | None = None  # node -> bytes its backward keeps
+    runs_without_grad: str | None = None  # "callable", "method" or None
 
 
 _GRAPH_FUNCTIONS: dict = {}  # function -> Declared
 
 
-def graph_function(fn=None, *, mutates: bool = False, updates_stats: bool = False):
-    """Declare `fn` as emitted into graphs by a pass (see module docstring); bare, or with its effects."""
+def graph_function(fn=None, *, name: str | None = None, mutates: bool = False, updates_stats: bool = False,
+                   saves: Callable | None = None, runs_without_grad: str | None = None):
+    """Declare `fn` as emitted into graphs by a pass (see module docstring); bare, or with its facts."""
     def declare(f):
-        _GRAPH_FUNCTIONS[f] = Declared(mutates, updates_stats)
+        _GRAPH_FUNCTIONS[f] = Declared(name, mutates, updates_stats, saves, runs_without_grad)
         return f
 
     return declare(fn) if fn is not None else declare
 
 
 def declared(fn) -> Declared | None:
-    """What `fn` was declared to do, or None if it is not an fxopt graph helper."""
+    """What `fn` was declared to be, or None if it is not an fxopt graph helper."""
     try:
         return _GRAPH_FUNCTIONS.get(fn)
     except TypeError:  # an unhashable callable
         return None
+
+
+def qualified_name(fn) -> str:
+    """`module.qualname` of a callable."""
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
+
+
+@functools.cache
+def import_by_name(name: str):
+    """The object at `module.attr.attr` (the longest importable module prefix, then attributes)."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:split]))
+        except (ImportError, TypeError, ValueError):
+            continue
+        for attr in parts[split:]:
+            value = getattr(value, attr)
+        return value
+    raise ImportError(f"cannot import {name!r}")
+
+
+def importable_name(fn) -> str | None:
+    """A name `import_by_name` turns back into `fn` (a graph can hold it as a string), or None.
+
+    torch's C functions report a class as their home (`torch._VariableFunctionsClass.relu`), so the
+    public namespaces are tried too.
+    """
+    short = getattr(fn, "__name__", "")
+    candidates = (qualified_name(fn), f"{getattr(fn, '__module__', None)}.{short}", f"torch.{short}",
+                  f"torch.nn.functional.{short}", f"operator.{short}")
+    for candidate in candidates:
+        try:
+            if import_by_name(candidate) is fn:
+                return candidate
+        except (ImportError, AttributeError):
+            continue
+    return None

@@ -7,6 +7,8 @@ ATen's `aten.relu.default` are all "relu"; in-place forms are "relu_". Tables ke
 from __future__ import annotations
 
 import builtins
+import functools
+import inspect
 import operator
 
 import torch
@@ -14,6 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from . import _torch_private
+from .graph_functions import declared
 
 # nn.Module types in the torch.nn namespace, by the op name their forward computes.
 _MODULE_OPS: dict[type, str] = {
@@ -34,8 +37,54 @@ _MODULE_OPS: dict[type, str] = {
     torch.nn.Identity: "identity", torch.nn.Embedding: "embedding",
 }
 _FUNCTION_NAMESPACES = (torch, F, operator, builtins, torch.Tensor)
-# Functional activations that take `inplace`, and its position among their arguments.
-_INPLACE_ARG = {"relu": 1, "relu6": 1, "hardtanh": 3, "leaky_relu": 2, "elu": 2, "hardswish": 1, "silu": 1}
+# Python's augmented assignments on tensors (`x += y`): `operator.iadd`, or the method `__iadd__`.
+_AUGMENTED = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                        "ilshift", "irshift", "imatmul"})
+
+
+def is_inplace_op(name: str | None) -> bool:
+    """`relu_`, `add_`, `iadd`, `__iadd__`: the op writes into its first input and returns it.
+
+    This and `is_inplace_call` are fxopt's one in-place rule: `op_name` names a call that an
+    argument or attribute makes in place (`F.relu(x, inplace=True)`) with a trailing underscore.
+    """
+    return name is not None and ((name.endswith("_") and not name.endswith("__"))
+                                 or name.removeprefix("__").removesuffix("__") in _AUGMENTED)
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a Python signature
+        return None
+
+
+def bound_argument(fn, args: tuple, kwargs: dict, name: str, default):
+    """The value `fn(*args, **kwargs)` receives for parameter `name` (computed in the graph: None)."""
+    try:
+        signature = _signature(fn)
+    except TypeError:  # an unhashable callable
+        signature = None
+    try:
+        value = signature.bind(*args, **kwargs).arguments.get(name, default) if signature else kwargs.get(name, default)
+    except TypeError:  # arguments the signature does not take: keywords only
+        value = kwargs.get(name, default)
+    return None if isinstance(value, fx.Node) else value
+
+
+def is_inplace_call(target, args: tuple = (), kwargs: dict | None = None) -> bool:
+    """A call that writes into its first input: its name says so (`is_inplace_op`), or its `inplace`
+    argument (a function) or attribute (a module) is not False (computed in the graph counts as True).
+
+    `target` is a function, a method name or a module.
+    """
+    if isinstance(target, torch.nn.Module):
+        return getattr(target, "inplace", False) is not False
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if is_inplace_op(name):
+        return True
+    return not isinstance(target, str) and bound_argument(target, args, kwargs or {}, "inplace", False) is not False
 
 
 def _module_is_pristine(module: torch.nn.Module) -> bool:
@@ -48,7 +97,8 @@ def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
     """The op a node computes, the same name in every form ("relu", "conv2d", "relu_"), or None.
 
     In-place forms get a trailing underscore (`x.relu_()`, `F.relu(x, inplace=True)`,
-    `nn.ReLU(inplace=True)`). fxopt's own functions carry their name in `fxopt_op_name`.
+    `nn.ReLU(inplace=True)`: `is_inplace_call`). fxopt's own functions have the name they are declared with
+    (`fxopt.graph_functions`).
     Calls of anything else outside torch / operator / builtins are None.
     """
     if node.op == "call_method":
@@ -58,17 +108,14 @@ def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
         if not _module_is_pristine(module):
             return None
         name = next(_MODULE_OPS[t] for t in type(module).__mro__ if t in _MODULE_OPS)
-        return name + "_" if getattr(module, "inplace", False) and name in _INPLACE_ARG else name
+        return name + "_" if is_inplace_call(module) else name
     if node.op != "call_function":
         return None
-    own = getattr(node.target, "fxopt_op_name", None) or _torch_private.aten_op_name(node.target)
+    helper = declared(node.target)
+    own = helper.name if helper is not None else _torch_private.aten_op_name(node.target)
     if own is not None:
         return own
     name = getattr(node.target, "__name__", None)
     if name is None or not any(getattr(ns, name, None) is node.target for ns in _FUNCTION_NAMESPACES):
         return None
-    position = _INPLACE_ARG.get(name)
-    if position is not None and node.target is getattr(F, name, None):
-        inplace = node.args[position] if len(node.args) > position else node.kwargs.get("inplace", False)
-        return name + "_" if inplace is True else name
-    return name
+    return name + "_" if not is_inplace_op(name) and is_inplace_call(node.target, node.args, node.kwargs) else name

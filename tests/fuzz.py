@@ -39,6 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.program_net import ProgramNet
+
 SIZE = 5  # spatial size; every layer keeps it (kernel 3 / padding 1, or kernel 1)
 BATCH = 4
 TOLERANCE = 1e-7  # float64: folding reorders a few products, anything larger is a bug
@@ -71,19 +73,8 @@ class Step:
     detail: str = ""  # activation / view / in-place op name
 
 
-class Net(nn.Module):
-    """Runs `program`: value 0 is the input, each step appends one value; returns `outputs`."""
-
-    def __init__(self, layers: dict[str, nn.Module], program: list[Step], outputs: tuple[int, ...]):
-        super().__init__()
-        self.layers = nn.ModuleDict(layers)
-        self.program, self.outputs = program, outputs
-
-    def forward(self, x):
-        values = [x]
-        for step in self.program:
-            values.append(self.apply(step, [values[i] for i in step.args]))
-        return tuple(values[i] for i in self.outputs)
+class Net(ProgramNet):
+    """Runs `program` (tests/program_net.py); the steps are those of `Step.op`."""
 
     def apply(self, step: Step, a: list):
         layer = self.layers[step.module] if step.module else None

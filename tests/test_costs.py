@@ -16,10 +16,15 @@ def _net() -> nn.Module:
                          nn.Linear(8 * 6 * 6, 10))
 
 
+def _exported(model: nn.Module, x: torch.Tensor) -> fx.GraphModule:
+    """The ATen graph fxopt.optimize captures (torch.export, non-strict), sharing `model`'s parameters."""
+    return torch.export.export(model, (x,), strict=False).module()
+
+
 def test_training_estimate_matches_real_step():
     """Training FLOPs equal FlopCounterMode on a real forward+backward; saved bytes equal measure_saved_bytes."""
     model, x = _net().train(), torch.randn(4, 3, 8, 8)
-    gm = fx.symbolic_trace(model)
+    gm = _exported(model, x)
     costs = estimate_costs(gm, (x,), training=True)
     with FlopCounterMode(display=False) as counter:
         model(x).sum().backward()
@@ -30,7 +35,7 @@ def test_training_estimate_matches_real_step():
 def test_inference_estimate_is_forward_only():
     """Inference counts forward FLOPs and reports no saved bytes."""
     model, x = _net().eval(), torch.randn(4, 3, 8, 8)
-    costs = estimate_costs(fx.symbolic_trace(model), (x,), training=False)
+    costs = estimate_costs(_exported(model, x), (x,), training=False)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(x)
     assert costs.flops == counter.get_total_flops() and costs.saved_bytes is None
@@ -39,7 +44,7 @@ def test_inference_estimate_is_forward_only():
 def test_estimate_touches_nothing():
     """Estimating never changes parameters, gradients, BatchNorm statistics or the RNG stream."""
     model, x = _net().train(), torch.randn(4, 3, 8, 8)
-    gm = fx.symbolic_trace(model)
+    gm = _exported(model, x)
     propagate_shapes(gm, (x,))
     state = {k: v.clone() for k, v in gm.state_dict().items()}
     rng = torch.get_rng_state()
@@ -49,21 +54,21 @@ def test_estimate_touches_nothing():
     assert torch.equal(rng, torch.get_rng_state())
 
 
-class _Branch(nn.Module):
-    def forward(self, x):
-        return x * 2 if x.sum() > 0 else x
-
-
-class _LeafTracer(fx.Tracer):
-    def is_leaf_module(self, m, qualname):
-        return isinstance(m, _Branch) or super().is_leaf_module(m, qualname)
+def _branch(x):
+    return x * 2 if x.sum() > 0 else x
 
 
 def test_data_dependent_graph_has_no_estimate():
-    """A graph whose opaque leaf branches on tensor values cannot run on fake tensors: the estimate is None."""
-    model = nn.Sequential(nn.Linear(3, 3), _Branch())
-    gm = fx.GraphModule(model, _LeafTracer().trace(model))
-    assert estimate_costs(gm, (torch.randn(2, 3),), training=True) is None
+    """A graph calling opaque code that branches on tensor values cannot run on fake tensors: the estimate is None."""
+    model, x = nn.Linear(3, 3), torch.randn(2, 3)
+    gm = _exported(model, x)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    linear = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    with gm.graph.inserting_after(linear):
+        branch = gm.graph.call_function(_branch, (linear,))
+    output.replace_input_with(linear, branch)
+    gm.recompile()
+    assert estimate_costs(gm, (x,), training=True) is None
 
 
 def _conv_stack() -> nn.Module:

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import fxopt
+from tests.program_net import ProgramNet
 from fxopt.passes.base import PassContext
 from fxopt.passes.fold_conv_bn import FoldConvBN
 
@@ -34,21 +35,11 @@ class Step:
     functional: bool = False  # call F.conv*/F.batch_norm on the module's tensors instead of the module
 
 
-class Net(nn.Module):
-    """Runs `program`: value 0 is the input, each step appends one value; returns the chosen values."""
+class Net(ProgramNet):
+    """The program's steps: convolutions, linear layers and BatchNorms as modules or functionals, relu, add, cat."""
 
-    def __init__(self, layers: dict[str, nn.Module], program: list[Step], outputs: tuple[int, ...]):
-        super().__init__()
-        self.layers = nn.ModuleDict(layers)
-        self.program, self.outputs = program, outputs
-
-    def forward(self, x):
-        values = [x]
-        for step in self.program:
-            a = [values[i] for i in step.args]
-            layer = self.layers[step.module] if step.module else None
-            values.append(apply(step, layer, a))
-        return tuple(values[i] for i in self.outputs)
+    def apply(self, step: Step, a: list):
+        return apply(step, self.layers[step.module] if step.module else None, a)
 
 
 def apply(step: Step, layer: nn.Module | None, a: list):

@@ -1,5 +1,5 @@
 """inplace_relu: activations run in place exactly where that is proven safe, relu keeps a bool mask
-where that frees memory, eval-mode dropout is dropped; one test per refusal rule.
+where that frees memory; one test per refusal rule (eval-mode dropout: tests/test_drop_eval_dropout.py).
 
 Every rewrite is checked for structure (gm.code), equivalence with the original (outputs; in
 training also gradients and BatchNorm buffers), the report, idempotence, the caller's tensors,
@@ -438,35 +438,7 @@ def test_mask_option_off():
     assert "relu_mask" not in code(optimized) and in_place_count(optimized) == 1
 
 
-# ---- dropout and front ends ----
-
-def test_eval_dropout_is_dropped():
-    """In inference, an eval-mode dropout returns its input, so it is removed (and relu then runs in place)."""
-    optimized = check_same(MLPWithDropout(), FEATURES, "inference")
-    assert report(optimized).stats["dropped"] == 1
-    assert "dropout" not in code(optimized)
-
-
-class FunctionalDropout(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-        self.drop = nn.Dropout(0.5)
-
-    def forward(self, x):
-        return self.drop(F.dropout(self.fc(x), 0.5, training=False))
-
-
-def test_training_drops_only_eval_dropout():
-    """In training, `F.dropout(training=False)` is dropped; the train-mode dropout module stays.
-
-    (Form change: export bakes each dropout's flag into `aten.dropout(x, p, train)` and capture
-    guards the module's mode, so a dropout is dropped exactly when its flag is False.)"""
-    optimized = check_same(FunctionalDropout(), FEATURES, "training")
-    assert report(optimized).stats["dropped"] == 1
-    dropouts = re.findall(r"aten\.dropout\.default\([^)]*\)", code(optimized))
-    assert dropouts == ["aten.dropout.default(linear, 0.5, True)"]
-
+# ---- front ends ----
 
 def test_default_pipelines_include_the_pass():
     """inplace_relu runs by default in both modes."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .. import _torch_private
-from ..op_names import op_name
+from ..op_names import is_inplace_op, op_name
 from .saved_tensors import dropout_training, is_known_op
 from .shapes import tensor_meta
 
@@ -40,12 +40,6 @@ def is_metadata_read(node: fx.Node) -> bool:
     if name in _METADATA_OPS:
         return True
     return name == "getattr" and len(node.args) > 1 and node.args[1] in _METADATA_ATTRS
-
-
-def is_inplace_op(name: str | None) -> bool:
-    """`relu_`, `add_`, `iadd`...: the op writes into its first input and returns it."""
-    return name is not None and ((name.endswith("_") and not name.endswith("__"))
-                                 or name in ("iadd", "isub", "imul", "itruediv"))
 
 
 def has_internal_overlap(node: fx.Node) -> bool:

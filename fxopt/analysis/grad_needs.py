@@ -32,10 +32,11 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from ..graph_functions import declared
 from .aliasing import AliasInfo
 from .ops import region_of
 from .saved_tensors import SavedForBackward
-from .side_effects import MUTATION, OPAQUE, WITHOUT_GRAD_WRAPPERS, effects, qualified_name
+from .side_effects import MUTATION, OPAQUE, effects
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -102,8 +103,7 @@ def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str], writers:
             needs = bool(_trainable_params(node, gm, constant_inputs))
         elif node.op in _CALLS:
             reads = any(n in result for n in node.all_input_nodes) or bool(_trainable_params(node, gm, constant_inputs))
-            silent = node.target == "detach" or qualified_name(node.target) in WITHOUT_GRAD_WRAPPERS \
-                or _runs_without_grad(node, gm)
+            silent = node.target == "detach" or _runs_without_grad(node, gm)
             needs = reads and not silent and _differentiable_value(node)
         else:
             needs = False
@@ -115,7 +115,11 @@ def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str], writers:
 
 
 def _runs_without_grad(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """An exported `with torch.no_grad():` block (wrap_with_set_grad_enabled(False, ...))."""
+    """An exported `with torch.no_grad():` block (wrap_with_set_grad_enabled(False, ...)), or an fxopt
+    helper declared to run its callable without grad."""
+    helper = declared(node.target) if node.op == "call_function" else None
+    if helper is not None and helper.runs_without_grad:
+        return True
     region = region_of(node, gm)
     return region is not None and region.kind == "grad" and not region.enabled
 

@@ -8,7 +8,8 @@ activation overwrite its input? may relu save a mask instead of its output?), an
 
 The table is keyed by op name, the same for every form a graph holds an op in (`fxopt.op_names.op_name`):
 `aten.relu.default` (torch.export), `nn.ReLU` modules, `F.relu` / `torch.relu` calls and
-`x.relu()` methods are all "relu". An ATen op whose schema says it returns a view of an argument
+`x.relu()` methods are all "relu". fxopt's own graph helpers declare what they keep (`fxopt.graph_functions`: `saves`, or a `name` this
+table knows). An ATen op whose schema says it returns a view of an argument
 (`aten.slice`, `aten.alias`, ...) keeps nothing, like the views listed here.
 Entries are what autograd saves when every tensor input requires grad (checked against
 `torch.autograd.graph.saved_tensors_hooks` by tests/test_saved_tensors.py); with some inputs
@@ -23,6 +24,7 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from .. import _torch_private
+from ..graph_functions import declared
 from ..op_names import op_name
 from .shapes import tensor_meta
 
@@ -48,7 +50,8 @@ def _int64_like_output(node: fx.Node) -> int:
     return out.numel() * 8 if out is not None else 0
 
 
-def _bool_like_output(node: fx.Node) -> int:
+def bool_mask_bytes(node: fx.Node) -> int:
+    """Bytes of a bool tensor shaped like `node`'s output (a mask of where it was positive)."""
     out = tensor_meta(node)
     return out.numel() if out is not None else 0
 
@@ -89,11 +92,6 @@ _TABLE: dict[str, _Rule] = {
                      "layer_norm", "group_norm", "instance_norm", "embedding", "gather", "index"], _KEEPS_ALL_INPUTS),
     # attention keeps query, key, value and its output (plus the log-sum-exp of each row)
     "scaled_dot_product_attention": _Rule(output=True, inputs=ALL),
-    # fxopt's relu that keeps a bool mask of where its input was positive (fxopt.passes._relu_mask)
-    **dict.fromkeys(["relu_mask", "relu_mask_"], _Rule(extra=_bool_like_output)),
-    # fxopt's conv placed where the weight is frozen: keeps its weight, never its input (fxopt.passes._frozen_ops)
-    "conv_saving_what_grads_need": _Rule(extra=lambda node: _bytes_of(node.args[1]) if node.args[1].op not in
-                                         ("placeholder", "get_attr") else 0),
     # train-mode dropout keeps its noise tensor, not its input
     "dropout": _Rule(extra=_dropout_mask),
     # linear in their inputs, reductions that need only shapes, copies and views: nothing kept
@@ -113,7 +111,11 @@ _TABLE: dict[str, _Rule] = {
 }
 
 def _rule(node: fx.Node, gm: fx.GraphModule) -> _Rule | None:
-    """The table's rule for `node`, the view rule for an ATen view, or None for an unknown op."""
+    """What an fxopt graph helper is declared to save, the table's rule for `node`, the view rule for
+    an ATen view, or None for an unknown op."""
+    helper = declared(node.target) if node.op == "call_function" else None
+    if helper is not None and helper.saves is not None:
+        return _Rule(extra=helper.saves)
     name = op_name(node, gm)
     if name in _TABLE:
         return _TABLE[name]
@@ -168,7 +170,8 @@ def saved_for_backward(node: fx.Node, gm: fx.GraphModule) -> SavedForBackward:
     return SavedForBackward(rule.output, kept, True)
 
 
-def _bytes_of(node: fx.Node) -> int:
+def tensor_bytes(node: fx.Node) -> int:
+    """Bytes of the tensor `node` computes (0 when unknown)."""
     val = tensor_meta(node)
     return val.numel() * val.element_size() if val is not None else 0
 
@@ -185,4 +188,4 @@ def saved_bytes(node: fx.Node, gm: fx.GraphModule) -> int:
         nodes.add(node)
     rule = _rule(node, gm)
     extra = rule.extra(node) if rule is not None and rule.extra is not None else 0
-    return sum(_bytes_of(n) for n in nodes) + extra
+    return sum(tensor_bytes(n) for n in nodes) + extra

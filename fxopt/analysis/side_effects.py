@@ -5,8 +5,9 @@ torch.fx's own `eliminate_dead_code` trusts `Node.is_impure`, which calls every 
 misses `F.dropout`, `print`, `x.add_(y)` written as a method, and a train-mode BatchNorm that
 updates its running statistics. `effects(node, gm)` names every effect a node may have:
 
-  MUTATION  writes into a tensor it was given (in-place ops and methods, `inplace=True`, `out=`,
-            `operator.setitem`, augmented assignment on tensors)
+  MUTATION  writes into a tensor it was given: in-place ops, methods and augmented assignment on
+            tensors, `inplace=True` (the one in-place rule, `fxopt.op_names.is_inplace_call`, which
+            aliasing reads too), `out=`, `operator.setitem`
   RNG       draws from the random generator (dropout in training, `torch.rand*`, `bernoulli`, ...):
             dropping it shifts every later draw
   STATS     updates buffers: BatchNorm / InstanceNorm in training with running statistics (in every
@@ -24,9 +25,6 @@ Anything not recognised is OPAQUE, so a caller that keeps effectful nodes is sou
 from __future__ import annotations
 
 import builtins
-import functools
-import importlib
-import inspect
 import math
 import operator
 
@@ -35,7 +33,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .. import _torch_private
-from ..graph_functions import declared
+from ..graph_functions import declared, import_by_name, qualified_name
+from ..op_names import bound_argument, is_inplace_call, is_inplace_op
 from .ops import region_of
 
 MUTATION, RNG, STATS, IO, OPAQUE = "mutation", "rng", "stats", "io", "opaque"
@@ -54,67 +53,15 @@ _RANDOM_WHEN_TRAINING = {
 _RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_", "geometric_",
                    "cauchy_", "log_normal_", "bernoulli_"}
 _IO_FUNCTIONS = {builtins.print, torch.manual_seed, torch.set_grad_enabled}  # asserts: fx_is_impure
-_MUTATING_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
-                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                       operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+# Writes that are not in-place ops (those follow fxopt.op_names.is_inplace_call: `x += y`, `relu_`, inplace=True).
+_WRITING_OPERATORS = {operator.setitem, operator.delitem}
 _IO_METHODS = {"register_hook", "retain_grad", "backward", "record_stream", "__setitem__", "__delitem__"}
 _PURE_NAMESPACES = (operator, math)
-# fxopt's wrappers that run another callable without grad (fxopt.passes._frozen_ops): they have its effects.
-# The callable is their first argument: a submodule (get_attr), an importable function name, or a method name.
-WITHOUT_GRAD_WRAPPERS = {"fxopt.passes._frozen_ops.call_without_grad": "callable",
-                         "fxopt.passes._frozen_ops.call_method_without_grad": "method"}
 # ATen ops that draw random numbers only when their `train` argument (index) is true.
 _ATEN_DROPOUTS = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2,
                   "native_dropout": 2}
 _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
                     torch.nn.FeatureAlphaDropout, torch.nn.RReLU)
-
-
-def qualified_name(fn) -> str:
-    """`module.qualname` of a callable (how fxopt names its own helpers without importing them)."""
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
-
-
-@functools.cache
-def import_by_name(name: str):
-    """The object at `module.attr.attr` (the longest importable module prefix, then attributes)."""
-    parts = name.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            value = importlib.import_module(".".join(parts[:split]))
-        except (ImportError, TypeError, ValueError):
-            continue
-        for attr in parts[split:]:
-            value = getattr(value, attr)
-        return value
-    raise ImportError(f"cannot import {name!r}")
-
-
-def importable_name(fn) -> str | None:
-    """A name `import_by_name` turns back into `fn` (a graph can hold it as a string), or None.
-
-    torch's C functions report a class as their home (`torch._VariableFunctionsClass.relu`), so the
-    public namespaces are tried too.
-    """
-    short = getattr(fn, "__name__", "")
-    candidates = (qualified_name(fn), f"{getattr(fn, '__module__', None)}.{short}", f"torch.{short}",
-                  f"torch.nn.functional.{short}", f"operator.{short}")
-    for name in candidates:
-        try:
-            if import_by_name(name) is fn:
-                return name
-        except (ImportError, AttributeError):
-            continue
-    return None
-
-
-def _bound_flag(fn, args, kwargs, name: str, default):
-    """The value `fn(*args, **kwargs)` receives for parameter `name` (computed in the graph: None)."""
-    try:
-        value = inspect.signature(fn).bind(*args, **kwargs).arguments.get(name, default)
-    except (TypeError, ValueError):  # a builtin without a Python signature: keywords only
-        value = kwargs.get(name, default)
-    return None if isinstance(value, fx.Node) else value
 
 
 def _is_torch_callable(fn) -> bool:
@@ -123,9 +70,9 @@ def _is_torch_callable(fn) -> bool:
 
 def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
     name = getattr(fn, "__name__", "")
-    if qualified_name(fn) in WITHOUT_GRAD_WRAPPERS:
-        return _wrapped_effects(WITHOUT_GRAD_WRAPPERS[qualified_name(fn)], args[0], args[1:], kwargs, gm)
     helper = declared(fn)  # fxopt's own graph helpers declare their effects
+    if helper is not None and helper.runs_without_grad:
+        return _wrapped_effects(helper.runs_without_grad, args[0], args[1:], kwargs, gm)
     if helper is not None:
         return frozenset(kind for kind, flag in ((MUTATION, helper.mutates), (STATS, helper.updates_stats)) if flag)
     if isinstance(fn, _torch_private.op_overload_types()):
@@ -135,18 +82,17 @@ def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> froz
     if fn in _IO_FUNCTIONS or name.lstrip("_").startswith(("assert", "check")) \
             or _torch_private.fx_is_impure(fn, args, kwargs):
         return frozenset({IO})
-    if fn in _MUTATING_OPERATORS or "out" in kwargs:
+    if fn in _WRITING_OPERATORS or "out" in kwargs:
         return frozenset({MUTATION})
+    inplace = is_inplace_call(fn, args, kwargs)
     if any(getattr(ns, name, None) is fn for ns in _PURE_NAMESPACES):
-        return NO_EFFECTS
+        return frozenset({MUTATION}) if inplace else NO_EFFECTS
     if not _is_torch_callable(fn):
         return frozenset({OPAQUE})
-    kinds = set()
-    if name.endswith("_") and not name.endswith("__") or _bound_flag(fn, args, kwargs, "inplace", False) is not False:
-        kinds.add(MUTATION)
+    kinds = {MUTATION} if inplace else set()
     if fn in _RANDOM_WHEN_TRAINING:
         default = _RANDOM_WHEN_TRAINING[fn]
-        if default is None or _bound_flag(fn, args, kwargs, "training", default) is not False:
+        if default is None or bound_argument(fn, args, kwargs, "training", default) is not False:
             kinds.add(RNG)
     if _updates_running_stats(fn, args, kwargs):
         kinds.add(STATS)
@@ -196,7 +142,7 @@ def _method_effects(name: str, kwargs: dict) -> frozenset[str]:
     kinds = set()
     if name in _IO_METHODS:
         kinds.add(IO)
-    if name.endswith("_") and not name.endswith("__") or name.startswith("__i") and name.endswith("__"):
+    if is_inplace_op(name):
         kinds.add(MUTATION)
     if name in _RANDOM_METHODS:
         kinds.add(RNG)
@@ -211,7 +157,7 @@ def _module_effects(module: torch.nn.Module) -> frozenset[str]:
     if not type(module).__module__.startswith("torch.nn.") or isinstance(module, fx.GraphModule):
         return frozenset({OPAQUE})
     kinds = set()
-    if getattr(module, "inplace", False):
+    if is_inplace_call(module):
         kinds.add(MUTATION)
     if module.training and (isinstance(module, _DROPOUT_MODULES) or getattr(module, "dropout", 0) not in (0, 0.0)):
         kinds.add(RNG)
@@ -221,7 +167,7 @@ def _module_effects(module: torch.nn.Module) -> frozenset[str]:
 
 
 def _wrapped_effects(kind: str, target, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
-    """Effects of the callable an fxopt wrapper runs (see WITHOUT_GRAD_WRAPPERS)."""
+    """Effects of the callable an fxopt wrapper runs without grad (`Declared.runs_without_grad`)."""
     if kind == "method":
         return _method_effects(target, kwargs)
     if isinstance(target, fx.Node) and target.op == "get_attr":

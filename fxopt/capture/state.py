@@ -1,6 +1,9 @@
 """Capture runs the model once for real, preserving its state, to record each child's call."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 
 from .. import _torch_private
@@ -15,6 +18,35 @@ def _describe_values(values) -> str:
     return ", ".join(shapes) or "no tensors"
 
 
+@contextlib.contextmanager
+def running_modules(model: torch.nn.Module, on_enter: Callable[[str, tuple, dict], None] | None = None
+                    ) -> Iterator[list[tuple[str, torch.nn.Module, tuple, dict]]]:
+    """The stack of `model`'s modules running now, innermost last, as (path, module, args, kwargs).
+
+    A pre-hook pushes each module as it starts (calling `on_enter(path, args, kwargs)` first) and a
+    forward hook pops it when it returns: a forward that raises never pops, so after a failure the
+    top of the stack is the module that failed. The hooks are removed on leaving.
+    """
+    stack: list[tuple[str, torch.nn.Module, tuple, dict]] = []
+    handles = []
+    for path, sub in model.named_modules():
+        def enter(mod, call_args, call_kwargs, path=path):
+            if on_enter is not None:
+                on_enter(path, call_args, call_kwargs)
+            stack.append((path, mod, call_args, call_kwargs))
+
+        def leave(mod, call_args, output):  # returns None: the output is unchanged
+            stack.pop()
+
+        handles.append(sub.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(sub.register_forward_hook(leave))
+    try:
+        yield stack
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def record_submodule_calls(model: torch.nn.Module, args: tuple, kwargs: dict,
                            runs_autograd: set[str] | None = None) -> dict[str, tuple[tuple, dict]]:
     """Run `model` once (state preserved) and return, for each submodule path, the (args, kwargs) of its first call.
@@ -26,24 +58,14 @@ def record_submodule_calls(model: torch.nn.Module, args: tuple, kwargs: dict,
     running and the shapes it was given (the stack of modules is tracked with hooks).
     """
     calls: dict[str, tuple[tuple, dict]] = {}
-    stack: list[tuple[str, torch.nn.Module, tuple, dict]] = []
-    handles = []
-    for path, sub in model.named_modules():
-        def enter(mod, call_args, call_kwargs, path=path):
-            calls.setdefault(path, (call_args, call_kwargs))
-            stack.append((path, mod, call_args, call_kwargs))
 
-        def leave(mod, call_args, output):  # returns None: the output is unchanged
-            stack.pop()
-
-        handles.append(sub.register_forward_pre_hook(enter, with_kwargs=True))
-        handles.append(sub.register_forward_hook(leave))
     def note_autograd() -> None:
         if runs_autograd is not None:
             runs_autograd.update(path for path, *_ in stack)
 
     try:
-        with preserved_state(model, (args, kwargs)), _torch_private.noting_autograd_runs(note_autograd):
+        with running_modules(model, lambda path, a, k: calls.setdefault(path, (a, k))) as stack, \
+                preserved_state(model, (args, kwargs)), _torch_private.noting_autograd_runs(note_autograd):
             model(*args, **kwargs)
     except Exception as e:
         path, mod, call_args, call_kwargs = stack[-1] if stack else ("", model, args, kwargs)
@@ -51,7 +73,4 @@ def record_submodule_calls(model: torch.nn.Module, args: tuple, kwargs: dict,
         raise FxoptError(f"{type(model).__name__} rejected the example inputs "
                          f"[{_describe_values([*args, *kwargs.values()])}]: {where} failed on inputs "
                          f"[{_describe_values([*call_args, *call_kwargs.values()])}]: {type(e).__name__}: {e}") from e
-    finally:
-        for h in handles:
-            h.remove()
     return calls

@@ -139,12 +139,6 @@ def format_flops(n):
     return _si(n, "FLOP")
 
 
-def _what_happened(p: PassReport) -> str:
-    if p.skipped:
-        return f"skipped: {p.skipped}"
-    return ", ".join(f"{k}: {v}" for k, v in sorted(p.stats.items())) or "nothing to do"
-
-
 @dataclasses.dataclass
 class InspectResult:
     spec: str
@@ -192,24 +186,14 @@ class InspectResult:
         }
 
     def passes_table(self) -> str:
-        headers = ["pass", "nodes", "what happened", "FLOPs (est.)"]
+        def estimate(what: str, fmt):
+            return lambda index, p: format_change(self.costs.around(index)[f"{what}_before"],
+                                                  self.costs.around(index)[f"{what}_after"], fmt)
+
+        extra = {"FLOPs (est.)": estimate("flops", format_flops)}
         if self.training:
-            headers.append("saved for backward (est.)")
-        headers.append("time")
-        verified = any(p.max_abs_diff is not None for p in self.report.passes)
-        if verified:
-            headers.append("max |diff|")
-        rows = []
-        for index, p in enumerate(self.report.passes, start=1):
-            est = self.costs.around(index)
-            row = [p.name, f"{p.nodes_before} → {p.nodes_after}", _what_happened(p),
-                   format_change(est["flops_before"], est["flops_after"], format_flops)]
-            if self.training:
-                row.append(format_change(est["saved_bytes_before"], est["saved_bytes_after"], human_bytes))
-            row.append(f"{p.seconds * 1e3:.1f} ms")
-            if verified:
-                row.append("-" if p.max_abs_diff is None else f"{p.max_abs_diff:.2e}")
-            rows.append(row)
+            extra["saved for backward (est.)"] = estimate("saved_bytes", human_bytes)
+        headers, rows = self.report.pass_table(extra)
         return tabulate(rows, headers=headers)
 
     def summary_line(self) -> str:

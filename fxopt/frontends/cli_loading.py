@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from ..capture.state import running_modules
 from ..state_preservation import preserved_state
 from ..errors import FxoptError
 from .cli_args import DEFAULT_INT_HIGH, DTYPE_NAMES
@@ -178,29 +179,17 @@ def _wants_integers(inputs: tuple, layer, message: str) -> bool:
 
 
 def check_model_accepts(model: torch.nn.Module, inputs: tuple) -> None:
-    """Run `model(*inputs)` once (no grad, state restored); on failure name the innermost layer running.
-
-    Each module's pre-hook pushes it on a stack and its forward hook pops it; a forward that
-    raises never pops, so after a failure the top of the stack is the layer that failed.
-    """
-    running: list[tuple[str, torch.nn.Module, tuple]] = []
-
-    def leave(module, args, output) -> None:  # a hook that returned something would replace the output
-        running.pop()
-
-    handles = []
-    for path, sub in model.named_modules():
-        handles.append(sub.register_forward_pre_hook(lambda m, args, path=path: running.append((path, m, args))))
-        handles.append(sub.register_forward_hook(leave))
+    """Run `model(*inputs)` once (state restored); on failure name the innermost layer running
+    (`fxopt.capture.state.running_modules`)."""
     try:
-        with preserved_state(model):
+        with running_modules(model) as running, preserved_state(model):
             model(*inputs)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's model rejected the inputs
         dtypes = ", ".join(sorted({str(x.dtype).removeprefix("torch.") for x in inputs}))
         message = f"the model rejects inputs {_describe_inputs(inputs)} ({dtypes})"
         layer = None
         if running:
-            path, layer, args = running[-1]
+            path, layer, args, _ = running[-1]
             where = f"layer {path!r}" if path else "the model's own forward"
             message += f": {where} ({type(layer).__name__}) called with {_describe_inputs(args)}"
         first_line = (str(e).strip().splitlines() or [""])[0]
@@ -209,6 +198,3 @@ def check_model_accepts(model: torch.nn.Module, inputs: tuple) -> None:
         hint = "" if not _wants_integers(inputs, layer, first_line) else \
             "; the model wants integer token ids: add --dtype int64 (values drawn from [0, --int-high))"
         raise FxoptError(f"{message} raised {type(e).__name__}: {first_line}{hint}") from e
-    finally:
-        for h in handles:
-            h.remove()

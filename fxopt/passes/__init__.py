@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from .base import Pass
 from .checkpoint_activations import CheckpointActivations
+from .drop_eval_dropout import DropEvalDropout
 from .fold_conv_bn import FoldConvBN
 from .inplace_relu import InplaceReLU
 from .prune_dead_grads import PruneDeadGrads
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (FoldConvBN, InplaceReLU, CheckpointActivations, PruneDeadGrads)}
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (FoldConvBN, DropEvalDropout, InplaceReLU, CheckpointActivations,
+                                                      PruneDeadGrads)}

@@ -66,7 +66,7 @@ def _statistics_this_run_updates(running_mean, running_var, run: RegionRun) -> t
     return run.scratch[id(running_mean)]
 
 
-@graph_function(updates_stats=True)
+@graph_function(name="batch_norm", updates_stats=True)
 def batch_norm_module_once(x: torch.Tensor, bn: torch.nn.Module, run: RegionRun) -> torch.Tensor:
     """An nn.BatchNorm1d/2d/3d in a region: the module itself on the first run and whenever it is in eval
     mode; a recomputation in train mode normalises by batch statistics without touching the running ones.
@@ -81,15 +81,13 @@ def batch_norm_module_once(x: torch.Tensor, bn: torch.nn.Module, run: RegionRun)
     return F.batch_norm(x, mean, var, bn.weight, bn.bias, True, 0.0, bn.eps)
 
 
-@graph_function(updates_stats=True)
+@graph_function(name="batch_norm", updates_stats=True)
 def batch_norm_once(x, running_mean, running_var, weight, bias, training, momentum, eps, run: RegionRun):
     """`F.batch_norm` / `aten.batch_norm` in a region, running statistics updated on the first run only."""
     if training and running_mean is not None:
         running_mean, running_var = _statistics_this_run_updates(running_mean, running_var, run)
     return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
 
-
-batch_norm_module_once.fxopt_op_name = batch_norm_once.fxopt_op_name = "batch_norm"
 
 
 class CheckpointedRegion(torch.nn.Module):

@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..analysis.side_effects import import_by_name
-from ..graph_functions import graph_function
+from ..analysis.saved_tensors import tensor_bytes
+from ..graph_functions import graph_function, import_by_name
 
 
-@graph_function
+@graph_function(runs_without_grad="callable")
 def call_without_grad(target, *args, **kwargs):
     """`target(*args, **kwargs)` under `torch.no_grad()`; `target` is a module or an importable function name.
 
@@ -36,7 +36,7 @@ def call_without_grad(target, *args, **kwargs):
         return function(*args, **kwargs)
 
 
-@graph_function
+@graph_function(runs_without_grad="method")
 def call_method_without_grad(name: str, self, *args, **kwargs):
     """`self.name(*args, **kwargs)` under `torch.no_grad()`."""
     with torch.no_grad():
@@ -69,14 +69,17 @@ class _ConvSavingWhatGradsNeed(torch.autograd.Function):
         return (*(g if needed else None for g, needed in zip(grads, mask)), None, None, None, None, None, None)
 
 
-@graph_function
+def _weight_if_computed(node) -> int:
+    """Bytes of the weight the conv keeps when the graph computes it (a parameter or input lives anyway)."""
+    weight = node.args[1]
+    return 0 if weight.op in ("placeholder", "get_attr") else tensor_bytes(weight)
+
+
+@graph_function(name="conv_saving_what_grads_need", saves=_weight_if_computed)
 def conv_saving_what_grads_need(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """`torch.convolution(...)` whose backward keeps the input only if the weight needs a gradient."""
     return _ConvSavingWhatGradsNeed.apply(x, weight, bias, stride, padding, dilation, transposed, output_padding,
                                           groups)
-
-
-conv_saving_what_grads_need.fxopt_op_name = "conv_saving_what_grads_need"  # read by analysis.saved_tensors
 
 
 @graph_function

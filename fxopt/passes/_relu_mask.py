@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..analysis.saved_tensors import bool_mask_bytes
 from ..graph_functions import graph_function
 
 
@@ -29,15 +30,12 @@ class _ReluMask(torch.autograd.Function):
         return torch.where(mask, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None
 
 
-@graph_function
+@graph_function(name="relu_mask", saves=bool_mask_bytes)
 def relu_mask(x: torch.Tensor) -> torch.Tensor:
     return _ReluMask.apply(x, False)
 
 
-@graph_function(mutates=True)
+@graph_function(name="relu_mask_", mutates=True, saves=bool_mask_bytes)
 def relu_mask_(x: torch.Tensor) -> torch.Tensor:
     return _ReluMask.apply(x, True)
 
-
-relu_mask.fxopt_op_name = "relu_mask"  # read by fxopt.analysis.saved_tensors.op_name
-relu_mask_.fxopt_op_name = "relu_mask_"

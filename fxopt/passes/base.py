@@ -44,14 +44,12 @@ class Site:
         return self.action == "refused"
 
 
-def any_changed(sites: list[Site]) -> bool:
-    """Whether a pass changed the graph: at least one site it did not refuse (a pass result, a report)."""
-    return any(not s.refused for s in sites)
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class PassResult:
-    """What one run of a pass did: counters, one record per site, and free-form figures."""
+    """What one run of a pass did: counters, one record per site, and free-form figures.
+
+    (`fxopt.pipeline.report.PassReport` is the same record summed over a model's graphs.)
+    """
 
     sites: list[Site] = dataclasses.field(default_factory=list)
     stats: Counter = dataclasses.field(default_factory=Counter)
@@ -60,7 +58,8 @@ class PassResult:
 
     @property
     def changed(self) -> bool:
-        return any_changed(self.sites)
+        """Whether the pass changed the graph: at least one site it did not refuse."""
+        return any(not s.refused for s in self.sites)
 
     def record(self, action: str, node: fx.Node | str, reason: str = "", detail: str = "") -> None:
         """Note one site and count it under `action` (or `refused_<reason>`)."""

@@ -5,13 +5,13 @@ What it rewrites::
 
     y = aten.conv2d(x);  z = aten.relu(y)      ->  y = aten.conv2d(x);  z = aten.relu_(y)
     y = bn(x);    z = relu(y) -> dropout       ->  y = bn(x);    z = relu_mask_(y)   (training: keeps y > 0 as bool)
-    z = aten.dropout(y, p, train=False)        ->  (removed: it returns y itself)
 
 for relu and the family relu6, hardtanh, leaky_relu, elu, hardswish, silu
 (`fxopt.analysis.activations`): ATen overloads (torch.export) become their in-place overloads
 (`aten.relu_`), other forms (`F.relu`, `nn.ReLU`, `x.relu()`) `F.<kind>(..., inplace=True)`.
-A train-mode dropout is never touched. Nothing inside a grad-mode or autocast region is
-rewritten, and a tensor such a region reads is never written (the region is an unknown op).
+Eval-mode dropouts are removed before it, by `drop_eval_dropout`. Nothing inside a grad-mode or
+autocast region is rewritten, and a tensor such a region reads is never written (the region is an
+unknown op).
 
 Why it is safe: overwriting the activation's input with its output is invisible when nothing
 else can observe the old values. The shared analyses prove that, site by site:
@@ -35,7 +35,6 @@ When it refuses an in-place rewrite (reason in the report):
 In training, relu keeps a mask only where nothing else keeps its output alive; otherwise:
   mask_kept_by_other_op  another op keeps the output for backward anyway (a following conv/linear)
   mask_graph_output      the output is returned by the graph, so it stays alive anyway
-Module-form dropouts are dropped only in inference mode (in training mode their flag may change).
 
 Scope: this is for the eager path (`fxopt.optimize` without torch.compile). Under torch.compile,
 AOTAutograd functionalizes the graph and Inductor plans buffers itself, so in-place rewrites
@@ -47,7 +46,7 @@ import torch.fx as fx
 
 from ..analysis.activations import ActivationCall, match_activation
 from ..analysis.aliasing import AliasInfo, has_internal_overlap, returns_several_views
-from ..analysis.saved_tensors import dropout_training, is_known_op, keeps_output_only_in_place, saved_for_backward
+from ..analysis.saved_tensors import is_known_op, keeps_output_only_in_place, saved_for_backward
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import MUTATION, effects
 from ..op_names import op_name
@@ -133,7 +132,6 @@ class InplaceReLU(Pass):
             result.skipped = "under torch.compile, AOTAutograd functionalizes in-place ops and Inductor plans buffers"
             return result
         training = ctx.mode == TRAINING
-        self._drop_eval_dropouts(gm, training, result)
         aliases = AliasInfo(gm)
         for node in list(gm.graph.nodes):
             act = match_activation(node, gm)
@@ -165,15 +163,3 @@ class InplaceReLU(Pass):
         freed = out.numel() * (out.element_size() - 1)
         result.figures["mask_saved_bytes"] = result.figures.get("mask_saved_bytes", 0) + freed
         result.record("masked", site_name(node), detail=f"keeps a bool mask: {freed} bytes less kept for backward")
-
-    @staticmethod
-    def _drop_eval_dropouts(gm: fx.GraphModule, training: bool, result: PassResult) -> None:
-        """Remove dropouts that return their input unchanged (module-form ones only in inference)."""
-        for node in list(gm.graph.nodes):
-            if op_name(node, gm) != "dropout" or dropout_training(node) or not node.args:
-                continue
-            if node.op == "call_module" and training:
-                continue
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            result.record("dropped", site_name(node), detail="dropout in eval mode returns its input")

@@ -72,10 +72,11 @@ from ..analysis.grad_needs import GradNeeds, analyze_grad_needs, really_saved
 from ..analysis.ops import ConvCall, match_batch_norm, match_conv, materialize, region_of, resolve
 from ..op_names import op_name
 from ..analysis.shapes import tensor_meta
-from ..analysis.side_effects import importable_name, removable_if_unused
+from ..analysis.side_effects import removable_if_unused
 from ..analysis.written_state import state_key, written_state
 from ..capture.naming import module_path
 from ..errors import FxoptError
+from ..graph_functions import importable_name
 from ..guards import TRAIN_MODE, Guard
 from ..output_selection import chosen_outputs, parse_differentiable_outputs
 from ._frozen_ops import (call_method_without_grad, call_without_grad, conv_saving_what_grads_need,

@@ -10,26 +10,25 @@ from tabulate import tabulate
 
 from ..capture import OpaqueModule, Specialization
 from ..guards import Guard, GuardSet
-from ..passes.base import Site, any_changed
+from ..passes.base import PassResult, Site
 
 
 @dataclasses.dataclass
-class PassReport:
-    """One pass over every captured graph of the model."""
+class PassReport(PassResult):
+    """One pass over every captured graph of the model: its results summed, with time and sizes."""
 
     name: str
     seconds: float = 0.0
     nodes_before: int = 0
     nodes_after: int = 0
-    stats: Counter = dataclasses.field(default_factory=Counter)
-    sites: list[Site] = dataclasses.field(default_factory=list)
-    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
-    skipped: str = ""
     max_abs_diff: float | None = None  # set by verify=True
 
     @property
-    def changed(self) -> bool:
-        return any_changed(self.sites)
+    def what_happened(self) -> str:
+        """One line for the pass tables: why it was skipped, else its statistics, else "nothing to do"."""
+        if self.skipped:
+            return f"skipped: {self.skipped}"
+        return ", ".join(f"{k}: {v}" for k, v in sorted(self.stats.items())) or "nothing to do"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -77,17 +76,23 @@ class Report:
             "guard_events": dict(self.guard_events),
         }
 
-    def summary_table(self) -> str:
+    def pass_table(self, extra: dict[str, Callable[[int, PassReport], str]] | None = None) -> tuple[list, list]:
+        """(headers, rows) of the pass table every front end shows: pass, nodes, what happened, the
+        `extra` columns (header -> cell of (pass number from 1, pass)), time, and max |diff| if verified."""
+        extra = extra or {}
+        verified = any(p.max_abs_diff is not None for p in self.passes)
+        headers = ["pass", "nodes", "what happened", *extra, "time"] + (["max |diff|"] if verified else [])
         rows = []
-        for p in self.passes:
-            stats = ", ".join(f"{k}: {v}" for k, v in sorted(p.stats.items())) or (p.skipped and f"skipped: {p.skipped}") or "-"
-            row = [p.name, f"{p.nodes_before} → {p.nodes_after}", stats, f"{p.seconds * 1e3:.1f} ms"]
-            if p.max_abs_diff is not None:
-                row.append(f"{p.max_abs_diff:.2e}")
+        for index, p in enumerate(self.passes, start=1):
+            row = [p.name, f"{p.nodes_before} → {p.nodes_after}", p.what_happened,
+                   *(cell(index, p) for cell in extra.values()), f"{p.seconds * 1e3:.1f} ms"]
+            if verified:
+                row.append("-" if p.max_abs_diff is None else f"{p.max_abs_diff:.2e}")
             rows.append(row)
-        headers = ["pass", "nodes", "what happened", "time"]
-        if any(p.max_abs_diff is not None for p in self.passes):
-            headers.append("max |diff|")
+        return headers, rows
+
+    def summary_table(self) -> str:
+        headers, rows = self.pass_table()
         return tabulate(rows, headers=headers)
 
     def sites_table(self, keep: Callable[[PassReport, Site], bool] = lambda p, s: True) -> str:

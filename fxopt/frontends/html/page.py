@@ -98,24 +98,19 @@ def _pass_table(data: PageData) -> str:
     peaks = data.stage_peaks if len(data.stage_peaks) == len(data.report.passes) + 1 else []
     if all(p is None for p in peaks):
         peaks = []  # the model is not one graph: no stage can run alone
-    verified = any(p.max_abs_diff is not None for p in data.report.passes)
-    head = ["pass", "nodes", "what happened", "FLOPs (est.)"] + (["saved for backward (est.)"] if training else []) \
-        + (["peak (measured)"] if peaks else []) + ["time"] + (["max |diff|"] if verified else [])
-    rows = []
-    for k, p in enumerate(data.report.passes):
-        what = p.skipped and f"skipped: {p.skipped}" or ", ".join(f"{a}: {n}" for a, n in sorted(p.stats.items())) \
-            or "nothing to do"
-        est = data.estimates[k] if k < len(data.estimates) else {}
-        row = [p.name, f"{p.nodes_before} → {p.nodes_after}", what,
-               f"{format_flops(est.get('flops_before'))} → {format_flops(est.get('flops_after'))}" if est else "?"]
-        if training:
-            row.append(_change(est.get("saved_bytes_before"), est.get("saved_bytes_after")) if est else "?")
-        if peaks:
-            row.append(_change(peaks[k], peaks[k + 1]))
-        row.append(f"{p.seconds * 1e3:.1f} ms")
-        if verified:
-            row.append("-" if p.max_abs_diff is None else f"{p.max_abs_diff:.2e}")
-        rows.append(row)
+    estimates = [data.estimates[k] if k < len(data.estimates) else {} for k in range(len(data.report.passes))]
+
+    def flops(index: int, p) -> str:
+        est = estimates[index - 1]
+        return f"{format_flops(est.get('flops_before'))} → {format_flops(est.get('flops_after'))}" if est else "?"
+
+    def saved(index: int, p) -> str:
+        est = estimates[index - 1]
+        return _change(est.get("saved_bytes_before"), est.get("saved_bytes_after")) if est else "?"
+
+    extra = {"FLOPs (est.)": flops, **({"saved for backward (est.)": saved} if training else {}),
+             **({"peak (measured)": lambda index, p: _change(peaks[index - 1], peaks[index])} if peaks else {})}
+    head, rows = data.report.pass_table(extra)
     return _table(head, rows, "passes")
 
 
@@ -173,9 +168,7 @@ def _graphs(data: PageData) -> str:
             p = data.report.passes[k - 1]
             sites = p.sites
             previous = {n.name: n for n in data.stages[k - 1].nodes}
-            what = p.skipped and f"skipped: {p.skipped}" or ", ".join(f"{a}: {n}" for a, n in sorted(p.stats.items())) \
-                or "nothing to do"
-            title = f"after {p.name} — {what}"
+            title = f"after {p.name} — {p.what_happened}"
         if k > 0 and not stage.changed and not sites:
             out.append(f'<details class="stage"><summary>{_e(title)} (graph unchanged)</summary></details>')
             continue
