@@ -12,14 +12,12 @@ import torch.nn as nn
 
 import fxopt
 from equivalence import assert_state_unchanged, state_snapshot
-from fxopt.analysis.shapes import propagate_shapes
-from fxopt.capture import capture
 from fxopt.capture.naming import module_path
 from fxopt.passes import PASSES
 from fxopt.passes.base import Pass, PassContext, PassResult
 from fxopt.passes.fold_conv_bn import FoldConvBN
 from fxopt.pipeline.instruments import DumpStages, PrintDiff, PrintGraphs
-from fxopt.pipeline.manager import PassManager
+from fxopt.pipeline.run import from_model, run_pipeline
 
 
 class Net(nn.Module):
@@ -52,10 +50,8 @@ def eval_net() -> Net:
 
 def run_passes(model, passes, instruments=(), mode="inference"):
     """Capture `model` and run pass *instances* (not registry names) through a PassManager."""
-    captured = capture(model, (X,))
-    for g in captured.graphs:
-        propagate_shapes(g.gm, g.example_inputs)
-    report = PassManager(passes, instruments).run(captured.module, captured.graphs, PassContext(mode))
+    captured = from_model(model, (X,))
+    report = run_pipeline(captured, passes, PassContext(mode), instruments=instruments)
     return captured.module, report
 
 

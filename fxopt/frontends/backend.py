@@ -54,14 +54,12 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from ..analysis.shapes import propagate_shapes
-from ..capture import CapturedGraph
 from ..errors import FxoptError
 from ..passes import PASSES
 from ..passes.base import INFERENCE, TRAINING, PassContext
-from ..pipeline.manager import PassManager
 from ..pipeline.pipelines import DEFAULT_PIPELINES, ONLY_WITH_OPTION, build_pipeline
 from ..pipeline.report import PassReport, Report
+from ..pipeline.run import from_dynamo_graph, run_pipeline
 from ..pipeline.verify import max_difference, run_step
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -161,11 +159,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
         pass_options["differentiable_outputs"] = options.differentiable_outputs
     pipeline = build_pipeline(mode, to_run, pass_options)
 
-    name = f"dynamo_graph_{next(_graph_numbers)}"
-    fake_inputs = _reuse_dynamo_shapes(gm, example_inputs)
+    captured = from_dynamo_graph(gm, example_inputs, f"dynamo_graph_{next(_graph_numbers)}")
     verifier = GraphVerifier(gm, example_inputs, training) if options.verify else None
     ctx = PassContext(mode, pass_options, constant_inputs, frontend="backend")
-    report = PassManager(pipeline, verifier=verifier).run(gm, [CapturedGraph(name, gm, fake_inputs)], ctx)
+    report = run_pipeline(captured, pipeline, ctx, verifier=verifier)
     for pass_name, reason in skipped:
         report.passes.append(PassReport(pass_name, skipped=reason))
     _deliver(report, options.report, on_report)
@@ -179,21 +176,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
         if not training and options.freeze and constant_inputs:
             return FrozenInference(gm, example_inputs, constant_inputs)
         return _torch_private.inductor_compile(gm, example_inputs)
-
-
-def _reuse_dynamo_shapes(gm: fx.GraphModule, example_inputs: list) -> tuple:
-    """Fill `node.meta["val"]` from the fake tensors Dynamo already computed; return the fake inputs.
-
-    Shapes are then re-propagated (after a pass changes the graph) from Dynamo's fake inputs,
-    not from the real parameters, which would have to be converted to fake tensors each time.
-    """
-    if not all("example_value" in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):
-        propagate_shapes(gm, tuple(example_inputs))
-        return tuple(example_inputs)
-    for node in gm.graph.nodes:
-        if "example_value" in node.meta:
-            node.meta.setdefault("val", node.meta["example_value"])
-    return tuple(n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder")
 
 
 def _select_passes(mode: str, options: BackendOptions) -> tuple[list[str], list[tuple[str, str]]]:
