@@ -153,8 +153,8 @@ class PruneDeadGrads(Pass):
         entries = output_entries(gm)
         if selection is None:
             return set(entries)
-        if ctx.graph_path != "" or ctx.frontend != "api":
-            where = f"graph {ctx.graph_path!r}" if ctx.graph_path else "a torch.compile graph"
+        if ctx.graph_path != "":  # a submodule's graph, or a Dynamo graph (one region of the model)
+            where = f"graph {ctx.graph_path!r}" if ctx.graph_path else "a graph of unknown place"
             result.record("refused", "output", "not_model_outputs",
                           f"{where} does not return the model's outputs; differentiable_outputs not applied")
             return set(entries)

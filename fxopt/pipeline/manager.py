@@ -36,6 +36,10 @@ class PassManager:
             instrument.start(by_path)
         for index, p in enumerate(self.passes, start=1):
             entry = PassReport(p.name)
+            if ctx.mode not in p.modes:  # named for graphs of either mode (torch.compile): not this one
+                entry.skipped = f"runs only in {' and '.join(p.modes)} mode, this graph is {ctx.mode}"
+                report.passes.append(entry)
+                continue
             code_before = {path: gm.code for path, gm in by_path.items()}
             for g in graphs:
                 self._run_one(p, g, ctx, entry, done=[q.name for q in self.passes[:index - 1]])
