@@ -1,6 +1,6 @@
 """Run passes in order over every captured graph, checking the graph after each one.
 
-After each pass: `graph.lint()`, `recompile()`, shapes re-propagated if the graph changed, the
+After each pass: `graph.lint()`, `recompile()`, the shapes of what the pass changed brought up to date, the
 instruments called, and (with a verifier) the whole model compared with the original. An
 exception inside a pass is re-raised as FxoptError naming that pass and the ones before it.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis.shapes import propagate_shapes
+from ..analysis.shapes import update_shapes
 from ..capture import CapturedGraph
 from ..errors import FxoptError
 from ..passes.base import Pass, PassContext, PassResult
@@ -61,8 +61,7 @@ class PassManager:
                 raise TypeError(f"run() returned {type(result).__name__}, not a PassResult")
             gm.graph.lint()
             gm.recompile()
-            if result.changed:
-                propagate_shapes(gm, g.example_inputs)
+            update_shapes(gm, g.example_inputs)
         except FxoptError:
             raise
         except Exception as e:

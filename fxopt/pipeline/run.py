@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis.shapes import propagate_shapes
+from ..analysis.shapes import propagate_shapes, remember_shape_sources
 from ..capture import Capture, CapturedGraph, capture
 from ..passes.base import Pass, PassContext
 from .instruments import Instrument
@@ -48,6 +48,7 @@ def from_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence, name: str) -
         for node in gm.graph.nodes:
             if "example_value" in node.meta:
                 node.meta.setdefault("val", node.meta["example_value"])
+        remember_shape_sources(gm)
         fake_inputs = tuple(n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder")
     return Capture(gm, [CapturedGraph(name, gm, fake_inputs)], opaque=[], specialized=[])
 
