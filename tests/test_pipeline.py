@@ -328,3 +328,45 @@ def test_graph_module_results_are_plain_fx():
     optimized = fxopt.optimize(eval_net(), X, passes=["fold_conv_bn"]).graph_module
     assert isinstance(optimized, fx.GraphModule)
     fx.symbolic_trace(optimized)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+def _metadata(gm: fx.GraphModule) -> dict:
+    def of(value):
+        if isinstance(value, torch.Tensor):
+            return value.shape, value.stride(), value.dtype, value.requires_grad
+        return tuple(of(v) for v in value) if isinstance(value, (tuple, list)) else type(value)
+    return {n.name: of(n.meta.get("val")) for n in gm.graph.nodes}
+
+
+def test_shapes_are_propagated_once_per_graph(monkeypatch):
+    """optimize() propagates shapes once per captured graph; after each pass only what it changed runs again."""
+    import fxopt.analysis.shapes as shapes
+    import fxopt.pipeline.run as run
+    calls = []
+
+    def counted(gm, example_inputs):
+        calls.append(gm)
+        return real(gm, example_inputs)
+
+    real = shapes.propagate_shapes
+    monkeypatch.setattr(shapes, "propagate_shapes", counted)  # also update_shapes' fallback
+    monkeypatch.setattr(run, "propagate_shapes", counted)
+    for mode in ("inference", "training"):
+        calls.clear()
+        fxopt.optimize(eval_net().train(mode == "training"), X, mode=mode)
+        assert len(calls) == 1, mode
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_updated_shapes_equal_a_full_propagation(mode):
+    """After the default pipeline rewrote the graph, every node's metadata is what a full propagation gives."""
+    from fxopt.analysis.shapes import propagate_shapes
+    from fxopt.pipeline.pipelines import build_pipeline
+    captured = from_model(eval_net().train(mode == "training"), (X,))
+    run_pipeline(captured, build_pipeline(mode, None, {}), PassContext(mode))
+    g = captured.graphs[0]
+    updated = _metadata(g.gm)
+    propagate_shapes(g.gm, g.example_inputs)
+    assert updated == _metadata(g.gm)
