@@ -78,11 +78,14 @@ def remember_shape_sources(gm: fx.GraphModule) -> None:
 
 
 def _metadata(value):
+    """What a node's users see of its value; sizes as text, so symbolic ones are compared without a guard."""
     if isinstance(value, torch.Tensor):
-        return value.shape, value.stride(), value.dtype, value.device, value.requires_grad
+        return str(value.shape), str(value.stride()), value.dtype, value.device, value.requires_grad
     if isinstance(value, (tuple, list)):
         return tuple(_metadata(v) for v in value)
-    return value if value is _MISSING or isinstance(value, (int, float, bool, str)) or value is None else type(value)
+    if value is _MISSING or value is None or isinstance(value, (int, float, bool, str)):
+        return value
+    return str(value) if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) else type(value)
 
 
 class _ChangedShapeProp(fx.Interpreter):
@@ -115,7 +118,9 @@ def update_shapes(gm: fx.GraphModule, example_inputs: tuple) -> int:
         return 0
     placeholders = [n.meta.get("val", _MISSING) for n in gm.graph.find_nodes(op="placeholder")]
     mode = _torch_private.detect_fake_mode([v for v in placeholders if v is not _MISSING])
-    if mode is None or _MISSING in placeholders or any(n.op == "placeholder" for n in stale) or any(n.op == "call_function" and n.target in _GLOBAL_STATE_CALLS for n in stale):
+    whole = mode is None or _MISSING in placeholders or any(
+        n.op == "placeholder" or (n.op == "call_function" and n.target in _GLOBAL_STATE_CALLS) for n in stale)
+    if whole:
         propagate_shapes(gm, example_inputs)
         return len(gm.graph.nodes)
     runner = _ChangedShapeProp(gm, mode, stale)
