@@ -3,10 +3,12 @@
     python benchmarks/capture.py                 # small configs (2 layers, width 64), batch 2: a minute or two
     python benchmarks/capture.py --full          # ResNet-50, MobileNetV2, ConvNeXt-tiny, ViT-base, BERT-base, GPT-2 configs
     python benchmarks/capture.py --models bert,gpt2 --modes inference
+    python benchmarks/capture.py --models bert,vit --layers 4 --repeat 3   # medians of 3 interleaved runs
 
 Per model and mode, in one process: the seconds of a bare `torch.export.export(model, args,
 strict=False)`, of the same with the batch dimension dynamic (`Dim.AUTO`, as fxopt exports), and
-of `fxopt.optimize` (capture + default pipeline), with the ratios (target <= ~2 over the bare export);
+of `fxopt.optimize` (capture + default pipeline) and of its passes alone (from the report), with the
+ratios (target <= ~2 over the bare export); with --repeat, medians of interleaved runs;
 how many graphs and opaque modules the result has and the share of parameters the captured
 graphs read before any pass (target: 1, 0, 100%). In inference also eager vs the result, interleaved round by round, as
 medians (target: ratio >= 1).
@@ -27,7 +29,7 @@ import fxopt
 from fxopt.capture import capture
 
 
-def _configs(full: bool) -> dict:
+def _configs(full: bool, layers: int = 2) -> dict:
     t = transformers
     if full:
         return {
@@ -45,11 +47,11 @@ def _configs(full: bool) -> dict:
         "mobilenet_v2": (lambda: t.MobileNetV2Model(t.MobileNetV2Config(image_size=64, depth_multiplier=0.25)), "image", 64),
         "convnext": (lambda: t.ConvNextModel(t.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)),
                      "image", 64),
-        "vit": (lambda: t.ViTModel(t.ViTConfig(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=2,
+        "vit": (lambda: t.ViTModel(t.ViTConfig(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=layers,
                                                num_attention_heads=2, intermediate_size=128)), "image", 64),
-        "bert": (lambda: t.BertModel(t.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        "bert": (lambda: t.BertModel(t.BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=2,
                                                   intermediate_size=128, **text)), "tokens", 32),
-        "gpt2": (lambda: t.GPT2Model(t.GPT2Config(n_embd=64, n_layer=2, n_head=2, use_cache=False, **text)),
+        "gpt2": (lambda: t.GPT2Model(t.GPT2Config(n_embd=64, n_layer=layers, n_head=2, use_cache=False, **text)),
                  "tokens", 32),
     }
 
@@ -94,8 +96,10 @@ def main() -> None:
     parser.add_argument("--modes", default="inference,training")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers of the small configs")
+    parser.add_argument("--repeat", type=int, default=1, help="interleaved runs of each timing; medians")
     args = parser.parse_args()
-    configs = _configs(args.full)
+    configs = _configs(args.full, args.layers)
     names = args.models.split(",") if args.models else list(configs)
     torch.export.export(torch.nn.Linear(2, 2), (torch.randn(2, 2),), strict=False)  # one-time set-up, not a model's cost
     rows = []
@@ -105,19 +109,26 @@ def main() -> None:
             torch.manual_seed(0)
             model = make().train(mode == "training")
             inputs = _inputs(kind, size, args.batch)
-            export_s, _ = _seconds(lambda: torch.export.export(model, inputs, strict=False))
             batch = {name: {0: torch.export.Dim.AUTO} for name in inspect.signature(model.forward).bind(*inputs).arguments}
-            dynamic_s, _ = _seconds(lambda: torch.export.export(model, inputs, strict=False, dynamic_shapes=batch))
+            timings = {"export": [], "dynamic": [], "optimize": [], "passes": []}
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    optimize_s, result = _seconds(lambda: fxopt.optimize(model, inputs, mode=mode))
+                for _ in range(args.repeat):
+                    timings["export"].append(_seconds(lambda: torch.export.export(model, inputs, strict=False))[0])
+                    timings["dynamic"].append(_seconds(lambda: torch.export.export(model, inputs, strict=False,
+                                                                                   dynamic_shapes=batch))[0])
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        seconds, result = _seconds(lambda: fxopt.optimize(model, inputs, mode=mode))
+                    timings["optimize"].append(seconds)
+                    timings["passes"].append(sum(p.seconds for p in result.fxopt_report.passes))
             except fxopt.FxoptError as e:
-                rows.append([name, mode, f"{export_s:.2f}", f"{dynamic_s:.2f}", f"failed: {str(e).splitlines()[0][:80]}"])
+                rows.append([name, mode, f"failed: {str(e).splitlines()[0][:80]}"])
                 print(tabulate([rows[-1]], tablefmt="plain"), flush=True)
                 continue
+            export_s, dynamic_s, optimize_s, passes_s = (statistics.median(timings[k]) for k in timings)
             report = result.fxopt_report
-            row = [name, mode, f"{export_s:.2f}", f"{dynamic_s:.2f}", f"{optimize_s:.2f}", f"{optimize_s / export_s:.2f}",
+            row = [name, mode, f"{export_s:.2f}", f"{dynamic_s:.2f}", f"{optimize_s:.2f}", f"{passes_s:.2f}",
+                   f"{optimize_s / export_s:.2f}",
                    f"{optimize_s / dynamic_s:.2f}",
                    len(report.graphs), len(report.opaque), f"{100 * _captured_share(model, inputs):.0f}%"]
             if mode == "inference":
@@ -128,7 +139,8 @@ def main() -> None:
             rows.append(row)
             print(tabulate([row], tablefmt="plain"), flush=True)
     print()
-    print(tabulate(rows, headers=["model", "mode", "export s", "export dyn. batch s", "optimize s", "optimize/export",
+    print(tabulate(rows, headers=["model", "mode", "export s", "export dyn. batch s", "optimize s", "passes s",
+                                  "optimize/export",
                                   "optimize/export dyn.", "graphs", "opaque",
                                   "params in graphs", "eager ms", "fxopt ms", "speed-up"]))
 

@@ -239,6 +239,15 @@ def test_inplace_relu_is_skipped_with_the_reason():
     assert "functionalizes" in entry.skipped and not entry.sites
 
 
+def test_a_pass_of_the_other_mode_reports_itself_skipped():
+    """Passes are named once for every graph: checkpoint_activations (training only) says so on an inference graph."""
+    backend = fxopt.backend(inner="eager", passes=["fold_conv_bn", "checkpoint_activations"])
+    compiled_step("seed", backend, train=False, grad=False, steps=1)
+    entry = backend.reports[0]["checkpoint_activations"]
+    assert "runs only in training" in entry.skipped and not entry.sites
+    assert backend.reports[0]["fold_conv_bn"].stats["folded"] == 1
+
+
 def test_verify_compares_each_pass_with_the_dynamo_graph():
     """verify=True runs the graph before and after each pass (outputs, grads, buffers) and records the diff."""
     backend = fxopt.backend(inner="eager", verify=True)
@@ -304,6 +313,7 @@ def test_autocast_matches_eager():
     ({"bogus": 1}, "unknown option 'bogus'"),
     ({"inner": "tvm"}, "unknown inner compiler 'tvm'"),
     ({"passes": ["no_such_pass"]}, "unknown pass 'no_such_pass'"),
+    ({"passes": ["fold_conv_bn"], "memory_budget": 0.5}, "'memory_budget' is not taken by any selected pass"),
     ({"memory_budget": 1.5}, "fraction in \\(0, 1\\]"),
     ({"memory_budget": "512MB"}, "fraction in \\(0, 1\\]"),
     ({"memory_budget": 0.5, "inner": "eager"}, "needs inner="),

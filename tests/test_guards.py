@@ -340,9 +340,9 @@ def test_verify_names_the_stage_where_a_failure_appeared(stage, monkeypatch):
         monkeypatch.setattr(PASSES["inplace_relu"], "run", broken_run)
         match = "after pass 'inplace_relu'.*boom in backward"
     else:
-        import fxopt.frontends.api as api
+        import fxopt.pipeline.run as run
 
-        real_capture = api.capture
+        real_capture = run.capture
 
         def broken_capture(*args, **kwargs):
             captured = real_capture(*args, **kwargs)
@@ -350,7 +350,7 @@ def test_verify_names_the_stage_where_a_failure_appeared(stage, monkeypatch):
                 explode_graph(g.gm)
             return captured
 
-        monkeypatch.setattr(api, "capture", broken_capture)
+        monkeypatch.setattr(run, "capture", broken_capture)
         match = "after capture.*boom in backward"
     with pytest.raises(fxopt.FxoptError, match=match):
         fxopt.optimize(conv_bn_net().train(), X, mode="training", passes=["inplace_relu"], verify=True)

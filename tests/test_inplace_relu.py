@@ -449,7 +449,7 @@ def test_does_nothing_under_torch_compile():
     """As a torch.compile backend the pass does nothing: AOTAutograd functionalizes in-place ops."""
     gm = fx.symbolic_trace(ConvAct(nn.ReLU()))
     propagate_shapes(gm, IMAGE)
-    result = InplaceReLU().run(gm, PassContext("inference", frontend="backend"))
+    result = InplaceReLU().run(gm, PassContext("inference", aot_autograd_next=True))
     assert result.skipped and not result.sites
 
 

@@ -12,14 +12,12 @@ import torch.nn as nn
 
 import fxopt
 from equivalence import assert_state_unchanged, state_snapshot
-from fxopt.analysis.shapes import propagate_shapes
-from fxopt.capture import capture
 from fxopt.capture.naming import module_path
 from fxopt.passes import PASSES
 from fxopt.passes.base import Pass, PassContext, PassResult
 from fxopt.passes.fold_conv_bn import FoldConvBN
 from fxopt.pipeline.instruments import DumpStages, PrintDiff, PrintGraphs
-from fxopt.pipeline.manager import PassManager
+from fxopt.pipeline.run import from_model, run_pipeline
 
 
 class Net(nn.Module):
@@ -52,10 +50,8 @@ def eval_net() -> Net:
 
 def run_passes(model, passes, instruments=(), mode="inference"):
     """Capture `model` and run pass *instances* (not registry names) through a PassManager."""
-    captured = capture(model, (X,))
-    for g in captured.graphs:
-        propagate_shapes(g.gm, g.example_inputs)
-    report = PassManager(passes, instruments).run(captured.module, captured.graphs, PassContext(mode))
+    captured = from_model(model, (X,))
+    report = run_pipeline(captured, passes, PassContext(mode), instruments=instruments)
     return captured.module, report
 
 
@@ -332,3 +328,45 @@ def test_graph_module_results_are_plain_fx():
     optimized = fxopt.optimize(eval_net(), X, passes=["fold_conv_bn"]).graph_module
     assert isinstance(optimized, fx.GraphModule)
     fx.symbolic_trace(optimized)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+def _metadata(gm: fx.GraphModule) -> dict:
+    def of(value):
+        if isinstance(value, torch.Tensor):
+            return value.shape, value.stride(), value.dtype, value.requires_grad
+        return tuple(of(v) for v in value) if isinstance(value, (tuple, list)) else type(value)
+    return {n.name: of(n.meta.get("val")) for n in gm.graph.nodes}
+
+
+def test_shapes_are_propagated_once_per_graph(monkeypatch):
+    """optimize() propagates shapes once per captured graph; after each pass only what it changed runs again."""
+    import fxopt.analysis.shapes as shapes
+    import fxopt.pipeline.run as run
+    calls = []
+
+    def counted(gm, example_inputs):
+        calls.append(gm)
+        return real(gm, example_inputs)
+
+    real = shapes.propagate_shapes
+    monkeypatch.setattr(shapes, "propagate_shapes", counted)  # also update_shapes' fallback
+    monkeypatch.setattr(run, "propagate_shapes", counted)
+    for mode in ("inference", "training"):
+        calls.clear()
+        fxopt.optimize(eval_net().train(mode == "training"), X, mode=mode)
+        assert len(calls) == 1, mode
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_updated_shapes_equal_a_full_propagation(mode):
+    """After the default pipeline rewrote the graph, every node's metadata is what a full propagation gives."""
+    from fxopt.analysis.shapes import propagate_shapes
+    from fxopt.pipeline.pipelines import build_pipeline
+    captured = from_model(eval_net().train(mode == "training"), (X,))
+    run_pipeline(captured, build_pipeline(mode, None, {}), PassContext(mode))
+    g = captured.graphs[0]
+    updated = _metadata(g.gm)
+    propagate_shapes(g.gm, g.example_inputs)
+    assert updated == _metadata(g.gm)

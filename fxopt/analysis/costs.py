@@ -14,6 +14,7 @@ that branches on tensor values) has no estimate: `None`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -48,6 +49,17 @@ def estimate_costs(gm: fx.GraphModule, example_inputs: tuple, training: bool) ->
 
     `example_inputs` may be real tensors or fake ones (e.g. the placeholders' `node.meta["val"]`).
     """
+    return _fake_step(gm, example_inputs, training, count_flops=True)
+
+
+def estimate_saved_bytes(gm: fx.GraphModule, example_inputs: tuple) -> int | None:
+    """The bytes a training step of `gm` keeps for backward, or None: `estimate_costs` without its
+    FLOP count, so without the backward run (autograd has saved everything by the end of forward)."""
+    costs = _fake_step(gm, example_inputs, training=True, count_flops=False)
+    return None if costs is None else costs.saved_bytes
+
+
+def _fake_step(gm: fx.GraphModule, example_inputs: tuple, training: bool, count_flops: bool) -> Costs | None:
     mode, state, inputs = fake_call_arguments(gm, example_inputs)
     excluded = {_torch_private.untyped_storage_key(t) for t in state.values()}
     saved: dict[int, int] = {}
@@ -64,19 +76,19 @@ def estimate_costs(gm: fx.GraphModule, example_inputs: tuple, training: bool) ->
     # parameters back: its fake gradients would land on them. Their `.grad` is restored below.
     real_grads = [(p, p.grad) for p in gm.parameters()]
     try:
-        with torch.random.fork_rng(devices=[]), mode, FlopCounterMode(display=False) as counter, \
-                torch.set_grad_enabled(training):
+        counter = FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=[]), mode, counter, torch.set_grad_enabled(training):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outputs = torch.func.functional_call(gm, state, inputs)
             differentiable = [o for o in flatten_tensors(outputs) if o.requires_grad]
-            if training and differentiable:
+            if training and differentiable and count_flops:
                 torch.autograd.backward(differentiable, [torch.ones_like(o) for o in differentiable])
     except Exception:  # noqa: BLE001 - data-dependent code cannot run on fake tensors: no estimate
         return None
     finally:
         for p, grad in real_grads:
             p.grad = grad
-    return Costs(counter.get_total_flops(), sum(saved.values()) if training else None)
+    return Costs(counter.get_total_flops() if count_flops else 0, sum(saved.values()) if training else None)
 
 
 def placeholder_values(gm: fx.GraphModule) -> tuple:

@@ -3,6 +3,11 @@
 FakeTensor propagation stores a fake tensor in `node.meta["val"]` (the key Dynamo and AOTAutograd
 use too). A graph whose opaque leaves branch on tensor values cannot run on fake tensors; then
 the graph runs once on the real inputs, with buffers and RNG restored, and meta tensors are kept.
+
+After a pass, `update_shapes` re-runs only what the pass changed: each node remembers what it was
+computed from (`meta["fxopt_shape_of"]`: its op, target, arguments and input nodes); a node that
+is new or differs, and every node whose input then got other metadata (shape, stride, dtype,
+device, requires_grad), runs again on fake tensors; every other node keeps its value.
 """
 from __future__ import annotations
 
@@ -41,6 +46,92 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
             _torch_private.fake_tensor_prop(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
         except Exception:  # noqa: BLE001 - data-dependent code: fall back to one real run
             _RealShapeProp(gm).run(*example_inputs)
+    remember_shape_sources(gm)
+
+
+_SOURCE = "fxopt_shape_of"
+_MISSING = object()
+# Calls that change global state for the nodes after them: a graph that gains one is propagated whole.
+_GLOBAL_STATE_CALLS = frozenset({torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
+                                 torch.amp.autocast_mode._exit_autocast})
+
+
+def _source(node: fx.Node, gm: fx.GraphModule) -> tuple:
+    """What `node`'s value is computed from, as far as a pass can change it."""
+    target = node.target
+    if node.op in ("get_attr", "call_module"):
+        target = (target, id(_attribute(gm, target)))
+    return node.op, target, repr(node.args), repr(node.kwargs), tuple(id(n) for n in node.all_input_nodes)
+
+
+def _attribute(gm: fx.GraphModule, target: str):
+    value = gm
+    for name in target.split("."):
+        value = getattr(value, name, None)
+    return value
+
+
+def remember_shape_sources(gm: fx.GraphModule) -> None:
+    """Mark every node's `meta["val"]` as up to date (what `update_shapes` compares against)."""
+    for node in gm.graph.nodes:
+        node.meta[_SOURCE] = _source(node, gm)
+
+
+def _metadata(value):
+    """What a node's users see of its value; sizes as text, so symbolic ones are compared without a guard."""
+    if isinstance(value, torch.Tensor):
+        return str(value.shape), str(value.stride()), value.dtype, value.device, value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return tuple(_metadata(v) for v in value)
+    if value is _MISSING or value is None or isinstance(value, (int, float, bool, str)):
+        return value
+    return str(value) if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) else type(value)
+
+
+class _ChangedShapeProp(fx.Interpreter):
+    """Runs the nodes a pass changed, and those whose inputs' metadata changed; the rest give their `val`."""
+
+    def __init__(self, gm: fx.GraphModule, mode, stale: set[fx.Node]):
+        super().__init__(gm)
+        self.prop = _torch_private.fake_tensor_prop(gm, mode)
+        self.stale = stale
+        self.changed: set[fx.Node] = set()
+
+    def run_node(self, n):
+        if n not in self.stale and not any(i in self.changed for i in n.all_input_nodes):
+            return n.meta["val"]
+        before = _metadata(n.meta.get("val", _MISSING))
+        self.prop.env = self.env
+        result = self.prop.run_node(n)
+        if _metadata(n.meta.get("val", _MISSING)) != before:
+            self.changed.add(n)
+        return result
+
+
+def update_shapes(gm: fx.GraphModule, example_inputs: tuple) -> int:
+    """Bring `node.meta["val"]` up to date after a pass changed `gm` (see module docstring).
+
+    Returns how many nodes ran again; a graph that cannot be updated in part is propagated whole.
+    """
+    stale = {n for n in gm.graph.nodes if n.meta.get(_SOURCE) != _source(n, gm) or "val" not in n.meta}
+    if not stale:
+        return 0
+    placeholders = [n.meta.get("val", _MISSING) for n in gm.graph.find_nodes(op="placeholder")]
+    mode = _torch_private.detect_fake_mode([v for v in placeholders if v is not _MISSING])
+    whole = mode is None or _MISSING in placeholders or any(
+        n.op == "placeholder" or (n.op == "call_function" and n.target in _GLOBAL_STATE_CALLS) for n in stale)
+    if whole:
+        propagate_shapes(gm, example_inputs)
+        return len(gm.graph.nodes)
+    runner = _ChangedShapeProp(gm, mode, stale)
+    try:
+        with preserved_state(gm), mode:
+            runner.run(*placeholders)
+    except Exception:  # noqa: BLE001 - a node that needs real values: propagate as the first time
+        propagate_shapes(gm, example_inputs)
+        return len(gm.graph.nodes)
+    remember_shape_sources(gm)
+    return len(stale | runner.changed)
 
 
 def tensor_meta(node) -> torch.Tensor | None:

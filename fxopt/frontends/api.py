@@ -5,8 +5,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..analysis.shapes import propagate_shapes
-from ..capture import capture, check_initialized
+from ..capture import check_initialized
 from ..capture.saving import keep_graph_when_pickled
 from ..errors import FxoptError
 from ..guards import CALL, TRAIN_MODE, Guard, GuardSet, model_state_guards
@@ -15,8 +14,8 @@ from ..passes import PASSES
 from ..passes._checkpoint_region import CheckpointedRegion
 from ..passes.base import INFERENCE, TRAINING, PassContext
 from ..pipeline.instruments import Instrument
-from ..pipeline.manager import PassManager
 from ..pipeline.pipelines import build_pipeline, resolve_mode
+from ..pipeline.run import from_model, run_pipeline
 from ..pipeline.verify import Verifier
 from .result import OptimizedModule, Variant
 
@@ -94,18 +93,12 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
     mode = settings["mode"]
     pass_options = settings["pass_options"]
     pipeline = build_pipeline(mode, settings["passes"], pass_options)
-    if verify:
-        # Capture alone must compute what the model does: a difference there is capture's, not a pass's.
+    verifier = None
+    if verify:  # the reference runs on the model as it is now, before capture
         verifier = Verifier(source, args, training=mode == TRAINING, differentiable=pass_options.get("differentiable_outputs"))
-    captured = capture(source, args, kwargs)
-    for g in captured.graphs:
-        propagate_shapes(g.gm, g.example_inputs)
-    if verify:
-        verifier.check(captured.module, "capture")
+    captured = from_model(source, args, kwargs)
     ctx = PassContext(mode, dict(pass_options))
-    report = PassManager(pipeline, instruments, verifier if verify else None).run(captured.module, captured.graphs, ctx)
-    report.opaque = captured.opaque
-    report.specialized = captured.specialized
+    report = run_pipeline(captured, pipeline, ctx, instruments=instruments, verifier=verifier)
     keep_graph_when_pickled(captured.module)  # also the GraphModules passes added
     guards = GuardSet(ctx.guards)
     guards.extend(_capture_guards(captured))

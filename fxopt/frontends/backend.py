@@ -5,19 +5,20 @@
     compiled = torch.compile(model, backend=fxopt.backend(memory_budget=0.5))   # options checked now
 
 Dynamo hands a backend one graph per captured region (a graph break gives several; DDP's
-optimizer splits at bucket boundaries). Each graph gets the same pass pipeline as
-`fxopt.optimize`, in the Dynamo form: no `call_module`, parameters and buffers are graph
-inputs (`torch.conv2d(x, weight_placeholder, ...)`), named in `PassContext.constant_inputs`.
-Mode: "training" when autograd will differentiate the graph (grad enabled and an input
-requires grad), else "inference".
+optimizer splits at bucket boundaries). Each graph goes the way of `fxopt.optimize`
+(fxopt/pipeline/run.py), with the passes `build_pipeline` chooses, in the Dynamo form: no
+`call_module`, parameters and buffers are graph inputs (`torch.conv2d(x, weight_placeholder,
+...)`), named in `PassContext.constant_inputs`. Mode: "training" when autograd will differentiate
+the graph (grad enabled and an input requires grad), else "inference".
 
-Per pass on this path:
-  fold_conv_bn            weights are placeholders, so the fold is emitted as graph ops on them:
-                          it always follows the current parameter values.
-  inplace_relu            skipped: AOTAutograd functionalizes the graph, which undoes in-place ops.
-  checkpoint_activations  skipped: `memory_budget` (a fraction) instead sets the min-cut
-                          partitioner's `activation_memory_budget` while the graph is compiled,
-                          so recomputation is chosen where AOTAutograd splits forward/backward.
+What the passes know of this path (`PassContext`), and so do themselves:
+  guards_checked=False    nothing checks guards per call, so fold_conv_bn emits the fold as graph
+                          ops on the weight inputs: it always follows the current parameter values.
+  aot_autograd_next=True  inplace_relu does nothing (AOTAutograd functionalizes the graph, undoing
+                          in-place ops); checkpoint_activations does nothing: `memory_budget` (a
+                          fraction) sets the min-cut partitioner's `activation_memory_budget` while
+                          the graph is compiled, so recomputation is chosen where AOTAutograd
+                          splits forward/backward.
 
 Hand-off (`inner`):
   "inductor"   Inductor's compile_fx. In inference, parameter inputs become constants of the
@@ -54,24 +55,14 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from ..analysis.shapes import propagate_shapes
-from ..capture import CapturedGraph
 from ..errors import FxoptError
-from ..passes import PASSES
 from ..passes.base import INFERENCE, TRAINING, PassContext
-from ..pipeline.manager import PassManager
-from ..pipeline.pipelines import DEFAULT_PIPELINES, ONLY_WITH_OPTION, build_pipeline
-from ..pipeline.report import PassReport, Report
-from ..pipeline.verify import max_difference, run_step
+from ..pipeline.pipelines import build_pipeline
+from ..pipeline.report import Report
+from ..pipeline.run import from_dynamo_graph, run_pipeline
+from ..pipeline.verify import Verifier
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-
-# Passes that do not run on Dynamo graphs, and why (shown in the report).
-SKIPPED_ON_BACKEND = {
-    "inplace_relu": "no-op under torch.compile: AOTAutograd functionalizes the graph, undoing in-place ops",
-    "checkpoint_activations": "on torch.compile, memory_budget sets AOTAutograd's activation_memory_budget "
-                              "for the min-cut partitioner instead",
-}
 
 _graph_numbers = itertools.count()
 
@@ -102,14 +93,19 @@ class BackendOptions:
             parsed = dataclasses.replace(parsed, passes=tuple(parsed.passes))
         return parsed
 
+    def pass_options(self, mode: str) -> dict:
+        """The options of the passes for a graph of `mode`: memory_budget and differentiable_outputs
+        concern training graphs only (an inference graph saves nothing and differentiates nothing)."""
+        if mode != TRAINING:
+            return {}
+        given = {"memory_budget": self.memory_budget, "differentiable_outputs": self.differentiable_outputs}
+        return {name: value for name, value in given.items() if value is not None}
+
     def _check(self) -> None:
         if self.inner not in INNER_COMPILERS:
             raise FxoptError(f"unknown inner compiler {self.inner!r}; expected one of: {', '.join(INNER_COMPILERS)}")
-        if self.passes is not None:
-            names = [self.passes] if isinstance(self.passes, str) else list(self.passes)
-            unknown = [n for n in names if n not in PASSES and n not in SKIPPED_ON_BACKEND]
-            if unknown:
-                raise FxoptError(f"unknown pass {unknown[0]!r}; available passes: {', '.join(PASSES)}")
+        for mode in (INFERENCE, TRAINING):  # unknown passes, options no selected pass takes
+            build_pipeline(mode, self.passes, self.pass_options(mode), mode_per_graph=True)
         if self.memory_budget is not None:
             budget = self.memory_budget
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
@@ -155,19 +151,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
                                                for x in example_inputs)
     mode = TRAINING if training else INFERENCE
     constant_inputs = _torch_private.dynamo_parameter_placeholders(gm, example_inputs)
-    to_run, skipped = _select_passes(mode, options)
-    pass_options = {}
-    if training and options.differentiable_outputs is not None:
-        pass_options["differentiable_outputs"] = options.differentiable_outputs
-    pipeline = build_pipeline(mode, to_run, pass_options)
-
-    name = f"dynamo_graph_{next(_graph_numbers)}"
-    fake_inputs = _reuse_dynamo_shapes(gm, example_inputs)
-    verifier = GraphVerifier(gm, example_inputs, training) if options.verify else None
-    ctx = PassContext(mode, pass_options, constant_inputs, frontend="backend")
-    report = PassManager(pipeline, verifier=verifier).run(gm, [CapturedGraph(name, gm, fake_inputs)], ctx)
-    for pass_name, reason in skipped:
-        report.passes.append(PassReport(pass_name, skipped=reason))
+    pass_options = options.pass_options(mode)
+    pipeline = build_pipeline(mode, options.passes, pass_options, mode_per_graph=True)
+    verifier = Verifier(gm, example_inputs, training, inputs_are_state=True) if options.verify else None
+    captured = from_dynamo_graph(gm, example_inputs, f"dynamo_graph_{next(_graph_numbers)}")
+    ctx = PassContext(mode, pass_options, constant_inputs, guards_checked=False, aot_autograd_next=True)
+    report = run_pipeline(captured, pipeline, ctx, verifier=verifier)
     _deliver(report, options.report, on_report)
 
     budget = options.memory_budget if training else None
@@ -179,37 +168,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
         if not training and options.freeze and constant_inputs:
             return FrozenInference(gm, example_inputs, constant_inputs)
         return _torch_private.inductor_compile(gm, example_inputs)
-
-
-def _reuse_dynamo_shapes(gm: fx.GraphModule, example_inputs: list) -> tuple:
-    """Fill `node.meta["val"]` from the fake tensors Dynamo already computed; return the fake inputs.
-
-    Shapes are then re-propagated (after a pass changes the graph) from Dynamo's fake inputs,
-    not from the real parameters, which would have to be converted to fake tensors each time.
-    """
-    if not all("example_value" in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):
-        propagate_shapes(gm, tuple(example_inputs))
-        return tuple(example_inputs)
-    for node in gm.graph.nodes:
-        if "example_value" in node.meta:
-            node.meta.setdefault("val", node.meta["example_value"])
-    return tuple(n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder")
-
-
-def _select_passes(mode: str, options: BackendOptions) -> tuple[list[str], list[tuple[str, str]]]:
-    """(passes to run, [(pass skipped on this path, why)])."""
-    if options.passes is not None:
-        names = list(options.passes)
-    else:
-        given = {"memory_budget"} if options.memory_budget is not None else set()
-        names = [n for n in DEFAULT_PIPELINES[mode] if ONLY_WITH_OPTION.get(n, "") in ("", *given)]
-    if options.memory_budget is not None and "checkpoint_activations" not in names:
-        names.append("checkpoint_activations")
-    skipped = [(n, SKIPPED_ON_BACKEND[n]) for n in names if n in SKIPPED_ON_BACKEND]
-    if mode == INFERENCE:
-        skipped = [(n, why + " (inference: nothing is saved for backward)" if n == "checkpoint_activations" else why)
-                   for n, why in skipped]
-    return [n for n in names if n not in SKIPPED_ON_BACKEND], skipped
 
 
 def _deliver(report: Report, target, on_report) -> None:
@@ -293,33 +251,3 @@ def _constants_as_attributes(gm: fx.GraphModule, positions: list[int], example_i
         frozen.graph.erase_node(node)
     frozen.recompile()
     return frozen
-
-
-class GraphVerifier:
-    """`verify=True` on one Dynamo graph: after each pass, the graph must compute what it did before.
-
-    Runs on clones of the example inputs (parameters included, so buffers the graph updates,
-    like BatchNorm running statistics, are compared too); in training also compares the
-    gradients of every input that requires grad, for fixed random output gradients.
-    """
-
-    def __init__(self, gm: fx.GraphModule, example_inputs: list, training: bool, rtol: float = 1e-4,
-                 atol: float = 1e-4):
-        self.example_inputs = tuple(example_inputs)
-        self.training = training
-        self.rtol, self.atol = rtol, atol
-        self.reference = self._run(_copy_graph_module(gm))
-
-    def _run(self, gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-        with _torch_private.unset_fake_mode():
-            step = run_step(gm, self.example_inputs, self.training)
-        tensors = dict(step.tensors)
-        tensors.update({f"input_after[{i}]": x.detach() for i, x in enumerate(step.inputs_after)})
-        return tensors
-
-    def check(self, candidate: fx.GraphModule, pass_name: str) -> float:
-        worst, name, ok = max_difference(self.reference, self._run(candidate), self.rtol, self.atol)
-        if not ok:
-            raise FxoptError(f"verification failed after pass {pass_name!r}: {name} of the Dynamo graph differs "
-                             f"from the original by up to {worst:.3g}")
-        return worst

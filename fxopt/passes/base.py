@@ -70,16 +70,23 @@ class PassResult:
 
 @dataclasses.dataclass
 class PassContext:
-    """What a pass may know beyond the graph: the mode, its options, and where parameters live.
+    """What a pass may know beyond the graph: the mode, its options, where parameters live, and what
+    happens to the graph after the passes. A pass that does not apply says so from these facts.
 
     `constant_inputs` names placeholders that hold parameters or buffers (the Dynamo form,
     where parameters are graph inputs); in the module form parameters are attributes.
+    `guards_checked`: the result checks `guards` before every call (fxopt.optimize's result), so a
+    pass may bake in values it records a guard for; under torch.compile nothing checks them.
+    `aot_autograd_next`: the graph goes on to torch.compile's AOTAutograd, which functionalizes it
+    (undoing in-place ops) and whose partitioner chooses what backward recomputes (the backend's
+    "eager" hand-off, for debugging, counts alike so that it shows what the others compile).
     """
 
     mode: str
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     constant_inputs: frozenset[str] = frozenset()
-    frontend: str = "api"  # "api" (eager result) or "backend" (handed on to torch.compile)
+    guards_checked: bool = True
+    aot_autograd_next: bool = False
     graph_path: str | None = None  # where the graph being rewritten sits: "" the whole model, None unknown
     guards: GuardSet = dataclasses.field(default_factory=GuardSet)  # facts passes rely on (fxopt.guards)
 

@@ -155,7 +155,7 @@ class CheckpointActivations(Pass):
             result.skipped = "no memory_budget given"
             return result
         kind, amount = parse_budget(value)
-        if ctx.frontend == "backend":
+        if ctx.aot_autograd_next:
             result.skipped = ("under torch.compile, AOTAutograd's partitioner decides what to recompute "
                               "(torch._functorch.config.activation_memory_budget)")
             return result

@@ -140,7 +140,7 @@ class FoldConvBN(Pass):
             if reason:
                 result.record("refused", site_name(node), reason, detail)
                 continue
-            precompute = ctx.mode == "inference" and ctx.frontend == "api"
+            precompute = ctx.mode == "inference" and ctx.guards_checked
             self._record_guards(gm, layer, bn, precompute, ctx)
             self._fold(gm, layer, bn, precompute)
             result.record("folded", site_name(node), detail=f"{site_name(layer.node)} + {site_name(node)}")

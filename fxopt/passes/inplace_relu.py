@@ -128,7 +128,7 @@ class InplaceReLU(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
-        if ctx.frontend == "backend":
+        if ctx.aot_autograd_next:
             result.skipped = "under torch.compile, AOTAutograd functionalizes in-place ops and Inductor plans buffers"
             return result
         training = ctx.mode == TRAINING

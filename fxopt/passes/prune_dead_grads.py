@@ -57,7 +57,7 @@ output (inplace_relu's masks do not run there), so the saving is an eager-path o
 
 The report's figures: which parameters and inputs still need a gradient, the trainable
 parameters that no longer get one, and saved-for-backward bytes before/after
-(`fxopt.analysis.costs.estimate_costs`, measured on fake tensors).
+(`fxopt.analysis.costs.estimate_saved_bytes`, measured on fake tensors).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ from collections.abc import Callable, Hashable
 import torch.fx as fx
 
 from .. import _torch_private
-from ..analysis.costs import estimate_costs, placeholder_values
+from ..analysis.costs import estimate_saved_bytes, placeholder_values
 from ..analysis.grad_needs import GradNeeds, analyze_grad_needs, really_saved
 from ..analysis.ops import ConvCall, match_batch_norm, match_conv, materialize, region_of, resolve
 from ..op_names import op_name
@@ -131,7 +131,7 @@ class PruneDeadGrads(Pass):
             self._eliminate_dead_code(gm, result)
             return result
         self._eliminate_dead_code(gm, result)  # first: a dead node's saved tensors are freed at once anyway
-        before = estimate_costs(gm, placeholder_values(gm), training=True)
+        before = estimate_saved_bytes(gm, placeholder_values(gm))
         dead_code_sites = len(result.sites)
         chosen = self._chosen_outputs(gm, ctx, selection, result)
         needs = self._analyze(gm, ctx, chosen)
@@ -141,11 +141,11 @@ class PruneDeadGrads(Pass):
         self._rewrite_frozen(gm, ctx, lambda: self._analyze(gm, ctx, chosen), result)
         gm.recompile()
         rewritten = any(not s.refused for s in result.sites[dead_code_sites:])
-        after = estimate_costs(gm, placeholder_values(gm), training=True) if rewritten else before  # fake runs: slow
+        after = estimate_saved_bytes(gm, placeholder_values(gm)) if rewritten else before  # fake forwards: slow
         if before is not None and after is not None:
-            result.figures["saved_bytes_before"] = before.saved_bytes
-            result.figures["saved_bytes_after"] = after.saved_bytes
-            result.figures["bytes_no_longer_saved"] = before.saved_bytes - after.saved_bytes
+            result.figures["saved_bytes_before"] = before
+            result.figures["saved_bytes_after"] = after
+            result.figures["bytes_no_longer_saved"] = before - after
         return result
 
     # ---- analysis ----
@@ -154,8 +154,8 @@ class PruneDeadGrads(Pass):
         entries = output_entries(gm)
         if selection is None:
             return set(entries)
-        if ctx.graph_path != "" or ctx.frontend != "api":
-            where = f"graph {ctx.graph_path!r}" if ctx.graph_path else "a torch.compile graph"
+        if ctx.graph_path != "":  # a submodule's graph, or a Dynamo graph (one region of the model)
+            where = f"graph {ctx.graph_path!r}" if ctx.graph_path else "a graph of unknown place"
             result.record("refused", "output", "not_model_outputs",
                           f"{where} does not return the model's outputs; differentiable_outputs not applied")
             return set(entries)

@@ -1,6 +1,6 @@
 """Run passes in order over every captured graph, checking the graph after each one.
 
-After each pass: `graph.lint()`, `recompile()`, shapes re-propagated if the graph changed, the
+After each pass: `graph.lint()`, `recompile()`, the shapes of what the pass changed brought up to date, the
 instruments called, and (with a verifier) the whole model compared with the original. An
 exception inside a pass is re-raised as FxoptError naming that pass and the ones before it.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis.shapes import propagate_shapes
+from ..analysis.shapes import update_shapes
 from ..capture import CapturedGraph
 from ..errors import FxoptError
 from ..passes.base import Pass, PassContext, PassResult
@@ -36,6 +36,10 @@ class PassManager:
             instrument.start(by_path)
         for index, p in enumerate(self.passes, start=1):
             entry = PassReport(p.name)
+            if ctx.mode not in p.modes:  # named for graphs of either mode (torch.compile): not this one
+                entry.skipped = f"runs only in {' and '.join(p.modes)} mode, this graph is {ctx.mode}"
+                report.passes.append(entry)
+                continue
             code_before = {path: gm.code for path, gm in by_path.items()}
             for g in graphs:
                 self._run_one(p, g, ctx, entry, done=[q.name for q in self.passes[:index - 1]])
@@ -57,8 +61,7 @@ class PassManager:
                 raise TypeError(f"run() returned {type(result).__name__}, not a PassResult")
             gm.graph.lint()
             gm.recompile()
-            if result.changed:
-                propagate_shapes(gm, g.example_inputs)
+            update_shapes(gm, g.example_inputs)
         except FxoptError:
             raise
         except Exception as e:

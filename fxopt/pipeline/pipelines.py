@@ -30,8 +30,14 @@ def resolve_mode(mode: str, training_flag: bool) -> str:
     return mode
 
 
-def build_pipeline(mode: str, names, options: dict) -> list[Pass]:
-    """Instantiate the passes to run; unknown names, wrong modes and stray options are errors."""
+def build_pipeline(mode: str, names, options: dict, *, mode_per_graph: bool = False) -> list[Pass]:
+    """The passes to run, for every front end; unknown names, wrong modes and stray options are errors.
+
+    names: pass names in order, or None for the default pipeline of `mode` (with the passes whose
+    option is given). mode_per_graph: the names were given once for graphs of either mode
+    (torch.compile decides each graph's mode), so a named pass that does not run in `mode` stays in
+    the pipeline and the manager reports it skipped on this graph, instead of an error.
+    """
     if names is None:
         names = [n for n in DEFAULT_PIPELINES[mode] if ONLY_WITH_OPTION.get(n, "") in ("", *options)]
     elif isinstance(names, str):
@@ -41,7 +47,7 @@ def build_pipeline(mode: str, names, options: dict) -> list[Pass]:
         raise FxoptError(f"unknown pass {unknown[0]!r}; available passes: {', '.join(PASSES)}")
     passes = [PASSES[n]() for n in names]
     for p in passes:
-        if mode not in p.modes:
+        if mode not in p.modes and not mode_per_graph:
             raise FxoptError(f"pass {p.name!r} does not run in {mode} mode (it runs in: {', '.join(p.modes)})")
     accepted = {opt for p in passes for opt in p.options}
     stray = sorted(set(options) - accepted)

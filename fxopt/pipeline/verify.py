@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .. import _torch_private
 from ..errors import FxoptError
 from ..model_copy import independent_copy
 from ..output_selection import chosen_outputs, entries_of, parse_differentiable_outputs
@@ -112,14 +113,22 @@ def _stage(name: str) -> str:
 
 
 class Verifier:
+    """The original's step, computed once, and the check of a candidate against it.
+
+    `inputs_are_state`: the graph's inputs include state it may update in place (a Dynamo graph,
+    whose parameters and buffers are inputs: BatchNorm running statistics), so each input after the
+    step is compared with the original's, where a model's inputs must be left as they were.
+    """
+
     def __init__(self, original: torch.nn.Module, example_inputs: tuple, training: bool,
-                 rtol: float = 1e-4, atol: float = 1e-4, differentiable=None):
-        self.example_inputs = example_inputs
+                 rtol: float = 1e-4, atol: float = 1e-4, differentiable=None, inputs_are_state: bool = False):
+        self.example_inputs = tuple(example_inputs)
         self.training = training
         self.rtol, self.atol = rtol, atol
         self.differentiable = differentiable
+        self.inputs_are_state = inputs_are_state
         try:
-            self.reference = run_step(original, example_inputs, training, differentiable).tensors
+            self.reference = self._step(original)
         except FxoptError:
             raise
         except Exception as e:  # noqa: BLE001 - the model itself fails: nothing to verify against
@@ -132,18 +141,28 @@ class Verifier:
         alone) on a mismatch or on any exception of the candidate's step."""
         stage = _stage(pass_name)
         try:
-            got = run_step(candidate, self.example_inputs, self.training, self.differentiable)
+            got = self._step(candidate)
         except FxoptError as e:
             raise FxoptError(f"verification failed after {stage}: {e}") from e
         except Exception as e:  # noqa: BLE001 - forward or backward of the optimized model raised
             step = "training step (forward + backward)" if self.training else "forward"
             raise FxoptError(f"verification failed after {stage}: the optimized model's {step} raised "
                              f"{type(e).__name__}: {e}") from e
-        for i, (before, after) in enumerate(zip(self.example_inputs, got.inputs_after)):
-            if isinstance(before, torch.Tensor) and not torch.equal(before, after.detach()):
-                raise FxoptError(f"verification failed after {stage}: it mutated input {i}")
-        worst, name, ok = max_difference(self.reference, got.tensors, self.rtol, self.atol)
+        if not self.inputs_are_state:
+            for i, (before, after) in enumerate(zip(self.example_inputs, got.inputs_after)):
+                if isinstance(before, torch.Tensor) and not torch.equal(before, after.detach()):
+                    raise FxoptError(f"verification failed after {stage}: it mutated input {i}")
+        worst, name, ok = max_difference(self.reference.tensors, got.tensors, self.rtol, self.atol)
         if not ok:
             raise FxoptError(f"verification failed after {stage}: {name} differs from the original "
                              f"model by up to {worst:.3g}")
         return worst
+
+    def _step(self, model: torch.nn.Module) -> StepResult:
+        """One step on copies, outside any fake mode (Dynamo compiles backends inside one)."""
+        with _torch_private.unset_fake_mode():
+            step = run_step(model, self.example_inputs, self.training, self.differentiable)
+        if self.inputs_are_state:
+            step.tensors.update({f"input_after[{i}]": x.detach() for i, x in enumerate(step.inputs_after)})
+        return step
+
