@@ -12,7 +12,8 @@ live anyway and cost nothing (as in `fxopt.measure`).
   holder (backward runs last node first); a holder is a node that is not checkpointed and saves
   it, or a region that keeps it (its inputs, and in a selective region its matmul outputs);
 * the backward of a node at position p holds every kept tensor whose first holder is at or
-  before p, plus the gradients of the tensors crossing p (`grad_live`);
+  before p, plus the gradients of the tensors crossing p and of the trainable parameters it
+  reads (`grad_live`: made before they accumulate into `.grad`);
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
   on top of what is kept, while its backward starts;
 * the forward at p holds the kept tensors made so far and the tensors still to be read.
@@ -231,7 +232,9 @@ def step_profile(gm: fx.GraphModule) -> StepProfile | None:
     for t in _tensors([a.meta.get("val") for a in output.all_input_nodes]):
         if _storage(t) in last_read:
             last_read[_storage(t)] = len(steps)
-    return StepProfile(steps, nbytes, last_read, _gradient_bytes(calls, position, len(steps), needs_grad))
+    grads = _gradient_bytes(calls, position, len(steps), needs_grad)
+    grads = [g + _parameter_gradient_bytes(node, gm) for g, node in zip(grads, calls)]
+    return StepProfile(steps, nbytes, last_read, grads)
 
 
 def _needs_grad(gm: fx.GraphModule) -> set[fx.Node]:
@@ -265,6 +268,16 @@ def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> s
         nbytes[key] = private
         keys.add(key)
     return keys
+
+
+def _parameter_gradient_bytes(node: fx.Node, gm: fx.GraphModule) -> int:
+    """Bytes of the trainable parameters' gradients `node`'s backward makes before they accumulate
+    into `.grad` (an embedding's is vocabulary-sized: on GPT-2 the step's peak is there)."""
+    if node.op == "call_module":
+        params = list(gm.get_submodule(node.target).parameters())
+    else:
+        params = [resolve(a, gm) for a in node.all_input_nodes if a.op == "get_attr"]
+    return sum(t.numel() * t.element_size() for t in params if getattr(t, "requires_grad", False))
 
 
 def _gradient_bytes(calls: list[fx.Node], position: dict, n: int, needs_grad: set) -> list[int]:

@@ -128,7 +128,8 @@ def _why_unreachable(result: PassResult) -> str:
     """One line on what keeps the step above the budget."""
     refusals = {k.removeprefix("refused_"): n for k, n in result.stats.items() if k.startswith("refused_")}
     blocked = ", ".join(f"{n} {reason}" for reason, n in sorted(refusals.items()))
-    held = "what remains is region inputs, tensors saved outside regions and the gradients in flight"
+    held = ("what remains is region inputs, tensors saved outside regions and the gradients in flight "
+            "(of activations and of parameters)")
     return f"{blocked} node(s) cannot be recomputed; {held}" if blocked else held
 
 
