@@ -32,9 +32,14 @@ import torch.fx as fx
 
 from .. import _torch_private
 from .flops import node_flops
+from .op_times import node_seconds
 from .ops import resolve
 from .saved_tensors import saved_bytes, saved_for_backward
 from .shapes import tensor_meta
+
+# What a non-reentrant torch.utils.checkpoint region adds to a step beyond recomputing its ops (its
+# own forward wrapper, saved-tensor hooks, the recomputation's dispatch): ~0.6 ms measured on CPU.
+REGION_OVERHEAD_S = 5e-4
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
 
@@ -49,10 +54,14 @@ class Step:
     saved: frozenset  # storages autograd keeps for its backward
     flops: int  # forward FLOPs (FlopCounterMode)
     counted: bool  # a matmul / conv / attention: the ops a selective region saves
+    seconds: float | None = None  # its forward's measured time (fxopt.analysis.op_times), if measured
 
     @property
     def recompute_cost(self) -> int:
-        """FLOPs, and one per output element for the ops FlopCounterMode does not count."""
+        """Measured nanoseconds; unmeasured: FLOPs, and one per output element for the ops FlopCounterMode
+        does not count."""
+        if self.seconds is not None:
+            return round(self.seconds * 1e9)
         if self.flops:
             return self.flops
         val = tensor_meta(self.node)
@@ -74,6 +83,12 @@ class StepProfile:
     nbytes: dict  # Key -> bytes
     last_read: dict  # Key -> position of its last reader (len(steps) for graph outputs)
     grad_live: list[int]  # bytes of gradients alive during the backward of each position
+    region_overhead: int = 0  # what one more checkpointed region costs, in recompute_cost's unit
+
+    @property
+    def timed(self) -> bool:
+        """Recompute costs are measured nanoseconds (else FLOPs)."""
+        return bool(self.steps) and self.steps[0].seconds is not None
 
     def bytes_of(self, keys) -> int:
         return sum(self.nbytes[k] for k in keys)
@@ -101,8 +116,10 @@ class StepProfile:
         return self._regions[r]
 
     def region_cost(self, r: Region) -> int:
-        """Recompute cost of a region: every step's, less the counted ones a selective region keeps."""
-        return self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
+        """Recompute cost of a region: every step's, less the counted ones a selective region keeps, plus
+        the region's own overhead."""
+        recomputed = self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
+        return recomputed + self.region_overhead
 
     def region_flops(self, r: Region) -> int:
         return self._sum(self._flops_prefix, r) - (self._sum(self._counted_flops_prefix, r) if r.save_counted else 0)
@@ -197,11 +214,15 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in _torch_private.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def step_profile(gm: fx.GraphModule) -> StepProfile | None:
-    """The steps of `gm` (see module docstring), or None if its FLOPs cannot be counted on fake tensors."""
+def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
+    """The steps of `gm` (see module docstring), or None if its FLOPs cannot be counted on fake tensors.
+
+    `timed`: price recomputation by each node's measured time (`fxopt.analysis.op_times`) plus
+    REGION_OVERHEAD_S per region, where the graph runs on real tensors; else by FLOPs."""
     flops = node_flops(gm)
     if flops is None:
         return None
+    seconds = node_seconds(gm) if timed else None
     free = set()  # storages alive before the step: inputs, parameters, buffers
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
@@ -223,7 +244,8 @@ def step_profile(gm: fx.GraphModule) -> StepProfile | None:
         saved = _saved_keys(node, gm, free, nbytes) if node in needs_grad else set()
         creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
         steps.append(Step(node, frozenset(creates), frozenset(reads & nbytes.keys()), frozenset(saved),
-                          flops.get(node.name, 0), flops.get(node.name, 0) > 0))
+                          flops.get(node.name, 0), flops.get(node.name, 0) > 0,
+                          seconds.get(node.name, 0.0) if seconds is not None else None))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -234,7 +256,8 @@ def step_profile(gm: fx.GraphModule) -> StepProfile | None:
             last_read[_storage(t)] = len(steps)
     grads = _gradient_bytes(calls, position, len(steps), needs_grad)
     grads = [g + _parameter_gradient_bytes(node, gm) for g, node in zip(grads, calls)]
-    return StepProfile(steps, nbytes, last_read, grads)
+    overhead = round(REGION_OVERHEAD_S * 1e9) if seconds is not None else 0
+    return StepProfile(steps, nbytes, last_read, grads, overhead)
 
 
 def _needs_grad(gm: fx.GraphModule) -> set[fx.Node]:
