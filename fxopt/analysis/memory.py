@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from .flops import node_flops
+from .grad_needs import analyze_grad_needs
 from .op_times import node_seconds
 from .ops import resolve
 from .saved_tensors import saved_bytes, saved_for_backward
@@ -231,7 +232,8 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
     position: dict[fx.Node, int] = {}
     steps: list[Step] = []
     calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    needs_grad = _needs_grad(gm)
+    grad_needs = analyze_grad_needs(gm, _output_nodes(gm))
+    needs_grad = {n for n in calls if grad_needs.recorded(n)}
     for p, node in enumerate(calls):
         position[node] = p
         creates = set()
@@ -255,26 +257,10 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
         if _storage(t) in last_read:
             last_read[_storage(t)] = len(steps)
     grads = _gradient_bytes(calls, position, len(steps), needs_grad)
-    grads = [g + _parameter_gradient_bytes(node, gm) for g, node in zip(grads, calls)]
+    trainable = frozenset(grad_needs.params_needing_grad)
+    grads = [g + _parameter_gradient_bytes(node, gm, trainable) for g, node in zip(grads, calls)]
     overhead = round(REGION_OVERHEAD_S * 1e9) if seconds is not None else 0
     return StepProfile(steps, nbytes, last_read, grads, overhead)
-
-
-def _needs_grad(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose output requires grad (shape propagation runs under no_grad, so it is derived here)."""
-    out = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":  # the parameter itself: export's fake values do not carry requires_grad
-            if getattr(resolve(node, gm), "requires_grad", False):
-                out.add(node)
-        elif node.op == "placeholder":
-            if any(t.requires_grad for t in _tensors(node.meta.get("val"))):
-                out.add(node)
-        elif node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(node.target).parameters()):
-            out.add(node)
-        elif any(a in out for a in node.all_input_nodes):
-            out.add(node)
-    return out
 
 
 def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> set:
@@ -293,14 +279,21 @@ def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> s
     return keys
 
 
-def _parameter_gradient_bytes(node: fx.Node, gm: fx.GraphModule) -> int:
-    """Bytes of the trainable parameters' gradients `node`'s backward makes before they accumulate
-    into `.grad` (an embedding's is vocabulary-sized: on GPT-2 the step's peak is there)."""
+def _output_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph's output values: the step differentiates every one that carries a gradient."""
+    return next(iter(gm.graph.find_nodes(op="output"))).all_input_nodes
+
+
+def _parameter_gradient_bytes(node: fx.Node, gm: fx.GraphModule, trainable: frozenset[str]) -> int:
+    """Bytes of the gradients `node`'s backward makes for the parameters that get one (`trainable`,
+    from fxopt.analysis.grad_needs) before they accumulate into `.grad` (an embedding's is
+    vocabulary-sized: on GPT-2 the step's peak is there)."""
     if node.op == "call_module":
-        params = list(gm.get_submodule(node.target).parameters())
+        params = [p for name, p in gm.get_submodule(node.target).named_parameters()
+                  if f"{node.target}.{name}" in trainable]
     else:
-        params = [resolve(a, gm) for a in node.all_input_nodes if a.op == "get_attr"]
-    return sum(t.numel() * t.element_size() for t in params if getattr(t, "requires_grad", False))
+        params = [resolve(a, gm) for a in node.all_input_nodes if a.op == "get_attr" and a.target in trainable]
+    return sum(t.numel() * t.element_size() for t in params)
 
 
 def _gradient_bytes(calls: list[fx.Node], position: dict, n: int, needs_grad: set) -> list[int]:
