@@ -3,7 +3,8 @@
 `node_seconds(gm)` runs `gm` a few times node by node on real tensors shaped like the
 placeholders' `node.meta["val"]` (floating inputs random, integer and bool inputs zero, so that
 every index is valid), under `torch.no_grad()` -- as a checkpointed region recomputes, the same
-kernels -- and returns {node name: the fastest of the timed runs}. FLOPs (fxopt.analysis.flops)
+kernels -- and returns {node name: the fastest of its runs} (the first run pays one-time costs; the
+fastest drops it). FLOPs (fxopt.analysis.flops)
 price a layer norm, a softmax or a dropout at nothing; on a real model those memory-bound ops
 are a large part of what recomputation costs, which only a clock sees.
 
@@ -23,7 +24,7 @@ import torch.fx as fx
 
 from .costs import placeholder_values
 
-ROUNDS = 3  # one warm-up run, then the fastest of the others per node
+ROUNDS = 2  # the fastest of two runs per node: the first warms up, the second is what a step pays
 
 
 def _real_like(value):
@@ -70,4 +71,4 @@ def node_seconds(gm: fx.GraphModule) -> dict[str, float] | None:
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
-    return {name: min(r[name] for r in runs[1:]) for name in runs[-1]}
+    return {name: min(r[name] for r in runs) for name in runs[-1]}
