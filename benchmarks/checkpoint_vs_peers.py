@@ -103,7 +103,7 @@ def run_model(name, factory, x, blocks_path, rounds, with_compile):
     peaks = {k: _peak(f, m, x) for k, (f, m) in variants.items()}
     budgets = {"fxopt 0.5": 0.5}
     if "HF GC" in peaks:
-        budgets["fxopt @HF"] = int(peaks["HF GC"])
+        budgets["fxopt @HF"] = f"{int(peaks['HF GC'])}B"
     for label, budget in budgets.items():
         start = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:

@@ -12,7 +12,8 @@ live anyway and cost nothing (as in `fxopt.measure`).
   holder (backward runs last node first); a holder is a node that is not checkpointed and saves
   it, or a region that keeps it (its inputs, and in a selective region its matmul outputs);
 * the backward of a node at position p holds every kept tensor whose first holder is at or
-  before p, plus the gradients of the tensors crossing p (`grad_live`);
+  before p, plus the gradients of the tensors crossing p and of the trainable parameters it
+  reads (`grad_live`: made before they accumulate into `.grad`);
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
   on top of what is kept, while its backward starts;
 * the forward at p holds the kept tensors made so far and the tensors still to be read.
@@ -31,9 +32,15 @@ import torch.fx as fx
 
 from .. import _torch_private
 from .flops import node_flops
+from .grad_needs import analyze_grad_needs
+from .op_times import node_seconds
 from .ops import resolve
 from .saved_tensors import saved_bytes, saved_for_backward
 from .shapes import tensor_meta
+
+# What a non-reentrant torch.utils.checkpoint region adds to a step beyond recomputing its ops (its
+# own forward wrapper, saved-tensor hooks, the recomputation's dispatch): ~0.6 ms measured on CPU.
+REGION_OVERHEAD_S = 5e-4
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
 
@@ -48,10 +55,14 @@ class Step:
     saved: frozenset  # storages autograd keeps for its backward
     flops: int  # forward FLOPs (FlopCounterMode)
     counted: bool  # a matmul / conv / attention: the ops a selective region saves
+    seconds: float | None = None  # its forward's measured time (fxopt.analysis.op_times), if measured
 
     @property
     def recompute_cost(self) -> int:
-        """FLOPs, and one per output element for the ops FlopCounterMode does not count."""
+        """Measured nanoseconds; unmeasured: FLOPs, and one per output element for the ops FlopCounterMode
+        does not count."""
+        if self.seconds is not None:
+            return round(self.seconds * 1e9)
         if self.flops:
             return self.flops
         val = tensor_meta(self.node)
@@ -73,6 +84,12 @@ class StepProfile:
     nbytes: dict  # Key -> bytes
     last_read: dict  # Key -> position of its last reader (len(steps) for graph outputs)
     grad_live: list[int]  # bytes of gradients alive during the backward of each position
+    region_overhead: int = 0  # what one more checkpointed region costs, in recompute_cost's unit
+
+    @property
+    def timed(self) -> bool:
+        """Recompute costs are measured nanoseconds (else FLOPs)."""
+        return bool(self.steps) and self.steps[0].seconds is not None
 
     def bytes_of(self, keys) -> int:
         return sum(self.nbytes[k] for k in keys)
@@ -100,8 +117,10 @@ class StepProfile:
         return self._regions[r]
 
     def region_cost(self, r: Region) -> int:
-        """Recompute cost of a region: every step's, less the counted ones a selective region keeps."""
-        return self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
+        """Recompute cost of a region: every step's, less the counted ones a selective region keeps, plus
+        the region's own overhead."""
+        recomputed = self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
+        return recomputed + self.region_overhead
 
     def region_flops(self, r: Region) -> int:
         return self._sum(self._flops_prefix, r) - (self._sum(self._counted_flops_prefix, r) if r.save_counted else 0)
@@ -196,11 +215,15 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in _torch_private.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def step_profile(gm: fx.GraphModule) -> StepProfile | None:
-    """The steps of `gm` (see module docstring), or None if its FLOPs cannot be counted on fake tensors."""
+def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
+    """The steps of `gm` (see module docstring), or None if its FLOPs cannot be counted on fake tensors.
+
+    `timed`: price recomputation by each node's measured time (`fxopt.analysis.op_times`) plus
+    REGION_OVERHEAD_S per region, where the graph runs on real tensors; else by FLOPs."""
     flops = node_flops(gm)
     if flops is None:
         return None
+    seconds = node_seconds(gm) if timed else None
     free = set()  # storages alive before the step: inputs, parameters, buffers
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
@@ -209,7 +232,8 @@ def step_profile(gm: fx.GraphModule) -> StepProfile | None:
     position: dict[fx.Node, int] = {}
     steps: list[Step] = []
     calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    needs_grad = _needs_grad(gm)
+    grad_needs = analyze_grad_needs(gm, _output_nodes(gm))
+    needs_grad = {n for n in calls if grad_needs.recorded(n)}
     for p, node in enumerate(calls):
         position[node] = p
         creates = set()
@@ -222,7 +246,8 @@ def step_profile(gm: fx.GraphModule) -> StepProfile | None:
         saved = _saved_keys(node, gm, free, nbytes) if node in needs_grad else set()
         creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
         steps.append(Step(node, frozenset(creates), frozenset(reads & nbytes.keys()), frozenset(saved),
-                          flops.get(node.name, 0), flops.get(node.name, 0) > 0))
+                          flops.get(node.name, 0), flops.get(node.name, 0) > 0,
+                          seconds.get(node.name, 0.0) if seconds is not None else None))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -231,24 +256,11 @@ def step_profile(gm: fx.GraphModule) -> StepProfile | None:
     for t in _tensors([a.meta.get("val") for a in output.all_input_nodes]):
         if _storage(t) in last_read:
             last_read[_storage(t)] = len(steps)
-    return StepProfile(steps, nbytes, last_read, _gradient_bytes(calls, position, len(steps), needs_grad))
-
-
-def _needs_grad(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose output requires grad (shape propagation runs under no_grad, so it is derived here)."""
-    out = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":  # the parameter itself: export's fake values do not carry requires_grad
-            if getattr(resolve(node, gm), "requires_grad", False):
-                out.add(node)
-        elif node.op == "placeholder":
-            if any(t.requires_grad for t in _tensors(node.meta.get("val"))):
-                out.add(node)
-        elif node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(node.target).parameters()):
-            out.add(node)
-        elif any(a in out for a in node.all_input_nodes):
-            out.add(node)
-    return out
+    grads = _gradient_bytes(calls, position, len(steps), needs_grad)
+    trainable = frozenset(grad_needs.params_needing_grad)
+    grads = [g + _parameter_gradient_bytes(node, gm, trainable) for g, node in zip(grads, calls)]
+    overhead = round(REGION_OVERHEAD_S * 1e9) if seconds is not None else 0
+    return StepProfile(steps, nbytes, last_read, grads, overhead)
 
 
 def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> set:
@@ -265,6 +277,23 @@ def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> s
         nbytes[key] = private
         keys.add(key)
     return keys
+
+
+def _output_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph's output values: the step differentiates every one that carries a gradient."""
+    return next(iter(gm.graph.find_nodes(op="output"))).all_input_nodes
+
+
+def _parameter_gradient_bytes(node: fx.Node, gm: fx.GraphModule, trainable: frozenset[str]) -> int:
+    """Bytes of the gradients `node`'s backward makes for the parameters that get one (`trainable`,
+    from fxopt.analysis.grad_needs) before they accumulate into `.grad` (an embedding's is
+    vocabulary-sized: on GPT-2 the step's peak is there)."""
+    if node.op == "call_module":
+        params = [p for name, p in gm.get_submodule(node.target).named_parameters()
+                  if f"{node.target}.{name}" in trainable]
+    else:
+        params = [resolve(a, gm) for a in node.all_input_nodes if a.op == "get_attr" and a.target in trainable]
+    return sum(t.numel() * t.element_size() for t in params)
 
 
 def _gradient_bytes(calls: list[fx.Node], position: dict, n: int, needs_grad: set) -> list[int]:

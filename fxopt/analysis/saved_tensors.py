@@ -35,7 +35,7 @@ NONE, FIRST, ALL, OPERANDS = "none", "first", "all", "operands"
 
 @dataclasses.dataclass(frozen=True)
 class _Rule:
-    output: bool = False  # keeps its own output
+    output: bool | Callable[[fx.Node], bool] = False  # keeps its own output (or: whether, per node)
     inputs: str = NONE  # NONE, FIRST, ALL or OPERANDS (see above)
     extra: Callable[[fx.Node], int] | None = None  # bytes of internal tensors it also keeps (masks, indices)
 
@@ -57,8 +57,20 @@ def bool_mask_bytes(node: fx.Node) -> int:
 
 
 def _dropout_mask(node: fx.Node) -> int:
-    """Train-mode dropout keeps its scaled noise (input-sized); eval-mode keeps nothing."""
-    return _same_size_as_output(node) if dropout_training(node) else 0
+    """Train-mode dropout keeps its scaled noise (input-sized); eval-mode or p=0 (returns its input) keeps nothing."""
+    return _same_size_as_output(node) if dropout_training(node) and _dropout_p(node) != 0 else 0
+
+
+def _dropout_p(node: fx.Node):
+    if node.op == "call_module":
+        return node.graph.owning_module.get_submodule(node.target).p
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+
+
+def _exponent_is_tensor(node: fx.Node) -> bool:
+    """pow keeps its result only for a tensor exponent (x ** 3 keeps x alone)."""
+    exponent = node.args[1] if len(node.args) > 1 else node.kwargs.get("exponent")
+    return isinstance(exponent, fx.Node)
 
 
 _KEEPS_NOTHING = _Rule()
@@ -81,8 +93,8 @@ _TABLE: dict[str, _Rule] = {
                     _KEEPS_INPUT),
     # reflect / replicate padding keeps its input (constant padding keeps nothing: the table errs on keeping)
     "pad": _KEEPS_INPUT,
-    # a power keeps base, exponent and result (the table errs on the side of keeping)
-    "pow": _Rule(output=True, inputs=ALL),
+    # a power keeps its tensor operands, and its result when the exponent is a tensor
+    "pow": _Rule(output=_exponent_is_tensor, inputs=ALL),
     # max pooling keeps its input and the int64 argmax indices
     **dict.fromkeys(["max_pool1d", "max_pool2d", "max_pool3d"], _Rule(inputs=FIRST, extra=_int64_like_output)),
     # products and layers keep their operands (weights, running statistics: parameters and buffers)
@@ -167,7 +179,8 @@ def saved_for_backward(node: fx.Node, gm: fx.GraphModule) -> SavedForBackward:
         return SavedForBackward(True, inputs, False)
     operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and a in inputs]
     kept = {NONE: (), FIRST: inputs[:1], ALL: inputs, OPERANDS: inputs if len(operands) > 1 else ()}[rule.inputs]
-    return SavedForBackward(rule.output, kept, True)
+    output = rule.output(node) if callable(rule.output) else rule.output
+    return SavedForBackward(output, kept, True)
 
 
 def tensor_bytes(node: fx.Node) -> int:

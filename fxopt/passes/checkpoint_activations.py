@@ -15,9 +15,10 @@ whole step, forward *and* backward (a fraction of the un-checkpointed step's pea
 The estimate (fxopt.analysis.memory) walks the plan: what stays saved, when each saved tensor
 is freed in backward, the gradients in flight, and the moment a region is recomputed next to
 everything still kept -- where the peak of a checkpointed step usually lands, and what a plan
-that only counts bytes saved at the end of forward misses. Recomputation is priced in FLOPs
-(FlopCounterMode on fake tensors), with one per element for the ops it does not count, so
-pointwise ops and normalisation are recomputed before a matmul or conv ever is. An exact
+that only counts bytes saved at the end of forward misses. Recomputation is priced in time:
+each node's forward measured on real tensors shaped like the example (fxopt.analysis.op_times;
+FLOPs where the graph cannot run so), plus a fixed overhead per region, so the plan with the
+lowest predicted step time whose predicted peak fits is chosen (figure `predicted_recompute_s`). An exact
 dynamic program over region boundaries and both region kinds returns the cheapest plan under
 the budget (a √n split would ignore both the prices and where the peak lands); if no plan
 fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning and the report's
@@ -128,7 +129,8 @@ def _why_unreachable(result: PassResult) -> str:
     """One line on what keeps the step above the budget."""
     refusals = {k.removeprefix("refused_"): n for k, n in result.stats.items() if k.startswith("refused_")}
     blocked = ", ".join(f"{n} {reason}" for reason, n in sorted(refusals.items()))
-    held = "what remains is region inputs, tensors saved outside regions and the gradients in flight"
+    held = ("what remains is region inputs, tensors saved outside regions and the gradients in flight "
+            "(of activations and of parameters)")
     return f"{blocked} node(s) cannot be recomputed; {held}" if blocked else held
 
 
@@ -162,7 +164,7 @@ class CheckpointActivations(Pass):
         if any(isinstance(m, CheckpointedRegion) for m in gm.modules()):
             result.skipped = "the graph already holds checkpointed regions"
             return result
-        profile = step_profile(gm)
+        profile = step_profile(gm, timed=True)
         if profile is None:
             result.skipped = "the graph cannot run on fake tensors, so its memory cannot be estimated"
             return result
@@ -219,6 +221,7 @@ class CheckpointActivations(Pass):
         result.figures.update(
             budget_bytes=int(limit), budget_met=after.peak <= limit, regions=names,
             recomputed_flops=after.recompute_flops,
+            predicted_recompute_s=sum(profile.region_cost(r) for r in regions) / 1e9 if profile.timed else None,
             saved_bytes_before=before.saved_bytes, saved_bytes_after=after.saved_bytes,
             peak_estimate_before=before.peak, peak_estimate_after=after.peak)
         return result

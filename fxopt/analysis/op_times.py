@@ -1,0 +1,74 @@
+"""Seconds each node's forward takes, measured by running the graph on real tensors: what recomputing it costs.
+
+`node_seconds(gm)` runs `gm` a few times node by node on real tensors shaped like the
+placeholders' `node.meta["val"]` (floating inputs random, integer and bool inputs zero, so that
+every index is valid), under `torch.no_grad()` -- as a checkpointed region recomputes, the same
+kernels -- and returns {node name: the fastest of its runs} (the first run pays one-time costs; the
+fastest drops it). FLOPs (fxopt.analysis.flops)
+price a layer norm, a softmax or a dropout at nothing; on a real model those memory-bound ops
+are a large part of what recomputation costs, which only a clock sees.
+
+It leaves no trace: parameters are only read, buffers (BatchNorm statistics) are copied back
+whatever their version says (a train-mode `aten.batch_norm` writes its running statistics without
+bumping their version, so `fxopt.state_preservation` would miss it), the RNG is forked, and the
+caller's tensors are never inputs.
+A graph that cannot run on such inputs has no timing: None (callers fall back to FLOPs).
+It runs once per `fxopt.analysis.memory.step_profile`, whose every plan then reads it.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.fx as fx
+
+from .costs import placeholder_values
+
+ROUNDS = 2  # the fastest of two runs per node: the first warms up, the second is what a step pays
+
+
+def _real_like(value):
+    """A real tensor shaped like a (fake) example value; non-tensors pass through."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = [int(s) for s in value.shape]
+    if value.is_floating_point() or value.is_complex():
+        return torch.randn(shape, dtype=value.dtype, device=value.device)
+    return torch.zeros(shape, dtype=value.dtype, device=value.device)
+
+
+class _Timed(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, seconds: dict[str, float]):
+        super().__init__(gm)
+        self.seconds = seconds
+        self.sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def run_node(self, n: fx.Node):
+        if n.op in ("placeholder", "get_attr", "output"):
+            return super().run_node(n)
+        start = time.perf_counter()
+        out = super().run_node(n)
+        if self.sync is not None:
+            self.sync()
+        elapsed = time.perf_counter() - start
+        self.seconds[n.name] = min(self.seconds.get(n.name, elapsed), elapsed)
+        return out
+
+
+def node_seconds(gm: fx.GraphModule) -> dict[str, float] | None:
+    """Forward seconds of every call node of `gm` on real tensors (see module docstring), or None."""
+    examples = placeholder_values(gm)
+    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            inputs = [_real_like(v) for v in examples]
+            runs = [dict() for _ in range(ROUNDS)]
+            for seconds in runs:
+                _Timed(gm, seconds).run(*inputs)
+    except Exception:  # noqa: BLE001 - data-dependent code or inputs zeros cannot stand for: no timing
+        return None
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+    return {name: min(r[name] for r in runs) for name in runs[-1]}

@@ -1,0 +1,69 @@
+"""checkpoint_activations' time model: measured per-op times, predictions checked against measurement."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+import fxopt
+from fxopt.analysis.op_times import node_seconds
+from fxopt.analysis.shapes import propagate_shapes
+from fxopt.measure import measure_allocator_peak
+
+from test_checkpoint_activations import deep_mlp
+
+
+def _bn_net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                               torch.nn.Dropout(0.5)).train()
+
+
+def test_timing_leaves_no_trace():
+    """Timing the graph returns a positive time per call node and leaves BatchNorm statistics and the RNG as they were."""
+    model, x = _bn_net(), torch.randn(2, 3, 8, 8)
+    gm = torch.fx.symbolic_trace(model)
+    propagate_shapes(gm, (x,))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    seconds = node_seconds(gm)
+    calls = [n.name for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    assert sorted(seconds) == sorted(calls) and all(s > 0 for s in seconds.values())
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_predicted_peak_within_ten_percent():
+    """The predicted step peak is within 10% of the allocator's, before and after checkpointing at 0.5."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=8, width=128), torch.randn(128, 128)
+    opt = fxopt.optimize(model, (x,), mode="training", passes=["checkpoint_activations"], memory_budget=0.5)
+    figures = opt.fxopt_report["checkpoint_activations"].figures
+    assert figures["peak_estimate_before"] == pytest.approx(measure_allocator_peak(model, (x,)), rel=0.1)
+    assert figures["peak_estimate_after"] == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.1)
+
+
+def _step_seconds(model, x, rounds: int) -> list[float]:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        model(x).sum().backward()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def test_predicted_recompute_time_orders_plans_as_measured():
+    """Of two plans (a loose and a tight budget), the one predicted to recompute longer measures slower."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=6, width=512, p=0.0), torch.randn(256, 512)
+    plans = [fxopt.optimize(model, (x,), mode="training", passes=["checkpoint_activations"], memory_budget=b)
+             for b in (0.8, 0.3)]
+    predicted = [p.fxopt_report["checkpoint_activations"].figures["predicted_recompute_s"] for p in plans]
+    assert predicted[0] < predicted[1]
+    measured = [[], []]
+    for _ in range(5):  # interleaved, so the machine's load falls on both alike
+        for i, plan in enumerate(plans):
+            measured[i] += _step_seconds(plan, x, 1)
+    medians = [statistics.median(m) for m in measured]
+    assert medians[0] < medians[1], (predicted, medians)
