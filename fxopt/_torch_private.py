@@ -184,6 +184,50 @@ def aot_eager_compile(gm, example_inputs):
     return backend(gm, example_inputs)
 
 
+def aot_eager_compile_with_partitioner(gm, example_inputs, partition_fn):
+    """`aot_eager_compile` with `partition_fn(joint, joint_inputs, **kwargs)` instead of the min-cut partitioner."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.compilers import nop
+    from torch._inductor.decomposition import select_decomp_table
+
+    decompositions = {op: fn for op, fn in select_decomp_table().items() if not op_is_random(op)}
+    return aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition_fn,
+                        decompositions=decompositions)(gm, example_inputs)
+
+
+def inductor_compile_with_partitioner(gm, example_inputs, partition_fn):
+    """Inductor's `compile_fx` partitioning forward/backward with `partition_fn(joint, joint_inputs, **kwargs)`
+    (after Inductor's joint-graph passes), through `torch._inductor.config.custom_partitioner_fn`."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class _Partitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return partition_fn(gm, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return None  # the partition depends on the budget: no cached compile may be reused
+
+    with config.patch(custom_partitioner_fn=_Partitioner()):
+        return compile_fx(gm, example_inputs)
+
+
+def has_custom_partitioner() -> bool:
+    """Whether this torch lets a backend give Inductor its own forward/backward partitioner (torch >= 2.8)."""
+    from torch._inductor import config
+
+    return hasattr(config, "custom_partitioner_fn")
+
+
+def min_cut_partition(joint, joint_inputs, **kwargs):
+    """AOTAutograd's min-cut partitioner: (forward module, backward module) of a joint graph; it reads
+    `node.meta["recompute"]` (`CheckpointPolicy`) and `node.meta["ac_graph_id"]`."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
 def activation_memory_budget(fraction: float | None):
     """Context in which AOTAutograd's min-cut partitioner keeps at most `fraction` of the activations."""
     import contextlib
@@ -191,6 +235,14 @@ def activation_memory_budget(fraction: float | None):
     from torch._functorch import config
 
     return config.patch(activation_memory_budget=fraction) if fraction is not None else contextlib.nullcontext()
+
+
+def outside_tracing_context():
+    """Context without Dynamo's TracingContext, whose fake mode `detect_fake_mode` would otherwise return
+    (its fake parameters do not require grad, and mixing it with other fake tensors fails)."""
+    from torch._guards import tracing
+
+    return tracing(None)
 
 
 def reset_dynamo() -> None:

@@ -15,9 +15,9 @@ Per pass on this path:
   fold_conv_bn            weights are placeholders, so the fold is emitted as graph ops on them:
                           it always follows the current parameter values.
   inplace_relu            skipped: AOTAutograd functionalizes the graph, which undoes in-place ops.
-  checkpoint_activations  skipped: `memory_budget` (a fraction) instead sets the min-cut
-                          partitioner's `activation_memory_budget` while the graph is compiled,
-                          so recomputation is chosen where AOTAutograd splits forward/backward.
+  checkpoint_activations  not run as a pass: with `memory_budget` (a fraction or a size, as in
+                          fxopt.optimize) fxopt's planner tags what AOTAutograd's min-cut
+                          partitioner recomputes (fxopt.frontends.backend_memory).
 
 Hand-off (`inner`):
   "inductor"   Inductor's compile_fx. In inference, parameter inputs become constants of the
@@ -34,8 +34,8 @@ Hand-off (`inner`):
                under a memory budget fails in backward, as with torch's own aot_eager).
   "eager"      the optimized fx graph as is (debugging).
 
-Options: passes (None: the default pipeline of the mode), memory_budget (a fraction; training
-graphs), differentiable_outputs (training graphs; passed to prune_dead_grads), inner, freeze,
+Options: passes (None: the default pipeline of the mode), memory_budget (a fraction or a size;
+training graphs), differentiable_outputs (training graphs; passed to prune_dead_grads), inner, freeze,
 verify (compare the graph before/after each pass: outputs, input gradients, updated buffers),
 report (a callable taking each graph's `Report`, or a path to which one JSON line per graph is
 appended). Unknown or malformed options raise FxoptError (wrapped by Dynamo as
@@ -54,6 +54,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from ..passes.checkpoint_activations import parse_budget
 from ..analysis.shapes import propagate_shapes
 from ..capture import CapturedGraph
 from ..errors import FxoptError
@@ -63,14 +64,15 @@ from ..pipeline.manager import PassManager
 from ..pipeline.pipelines import DEFAULT_PIPELINES, ONLY_WITH_OPTION, build_pipeline
 from ..pipeline.report import PassReport, Report
 from ..pipeline.verify import max_difference, run_step
+from .backend_memory import compile_with_memory_budget
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
 # Passes that do not run on Dynamo graphs, and why (shown in the report).
 SKIPPED_ON_BACKEND = {
     "inplace_relu": "no-op under torch.compile: AOTAutograd functionalizes the graph, undoing in-place ops",
-    "checkpoint_activations": "on torch.compile, memory_budget sets AOTAutograd's activation_memory_budget "
-                              "for the min-cut partitioner instead",
+    "checkpoint_activations": "on torch.compile, fxopt's planner tags what AOTAutograd's min-cut partitioner "
+                              "recomputes (fxopt.frontends.backend_memory)",
 }
 
 _graph_numbers = itertools.count()
@@ -111,10 +113,7 @@ class BackendOptions:
             if unknown:
                 raise FxoptError(f"unknown pass {unknown[0]!r}; available passes: {', '.join(PASSES)}")
         if self.memory_budget is not None:
-            budget = self.memory_budget
-            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
-                raise FxoptError(f"memory_budget for backend 'fxopt' must be a fraction in (0, 1], got {budget!r} "
-                                 "(byte budgets need fxopt.optimize)")
+            parse_budget(self.memory_budget)  # a fraction or a size with a unit, as in fxopt.optimize
             if self.inner == "eager":
                 raise FxoptError("memory_budget needs inner='inductor' or 'aot_eager' (the eager hand-off has no "
                                  "partitioner to recompute activations)")
@@ -168,17 +167,18 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
     report = PassManager(pipeline, verifier=verifier).run(gm, [CapturedGraph(name, gm, fake_inputs)], ctx)
     for pass_name, reason in skipped:
         report.passes.append(PassReport(pass_name, skipped=reason))
+    if training and options.memory_budget is not None:  # fxopt's planner tags what the partitioner recomputes
+        compiled = compile_with_memory_budget(gm, example_inputs, options.memory_budget, options.inner, report)
+        _deliver(report, options.report, on_report)
+        return compiled
     _deliver(report, options.report, on_report)
-
-    budget = options.memory_budget if training else None
-    with _torch_private.activation_memory_budget(budget):
-        if options.inner == "eager":
-            return gm
-        if options.inner == "aot_eager":
-            return _torch_private.aot_eager_compile(gm, example_inputs)
-        if not training and options.freeze and constant_inputs:
-            return FrozenInference(gm, example_inputs, constant_inputs)
-        return _torch_private.inductor_compile(gm, example_inputs)
+    if options.inner == "eager":
+        return gm
+    if options.inner == "aot_eager":
+        return _torch_private.aot_eager_compile(gm, example_inputs)
+    if not training and options.freeze and constant_inputs:
+        return FrozenInference(gm, example_inputs, constant_inputs)
+    return _torch_private.inductor_compile(gm, example_inputs)
 
 
 def _reuse_dynamo_shapes(gm: fx.GraphModule, example_inputs: list) -> tuple:
