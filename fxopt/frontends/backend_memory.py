@@ -16,13 +16,13 @@ per region), the vocabulary selective activation checkpointing uses. So here:
    Each Dynamo node carries its position in `node.meta["custom"]`, which tracing copies to the
    ATen nodes it becomes in the joint graph.
 2. Choice (`BudgetPartitioner`, AOTAutograd's partition function): the joint graph is
-   partitioned once untagged (the min-cut partitioner's own choice: the budget's 1.0) and once
-   per candidate; each partition's cost is what it really saves for backward (the backward
-   graph's inputs, less gradients' seeds and tensors that live anyway: parameters, inputs).
-   Among the partitions saving at most the budget (a fraction of the untagged partition's
-   saved bytes, or a size in bytes) the one saving the most is taken, ties broken by
-   fxopt's recompute cost. Every budget chooses from the same partitions, so a smaller
-   budget never saves more: the saved bytes are monotonic in the budget by construction.
+   partitioned untagged first (the min-cut partitioner's own choice: budget 1.0), then under
+   each candidate's tags in order of fxopt's recompute cost, until a partition saves at most
+   the budget (a fraction of the untagged partition's saved bytes, or a size in bytes). What a
+   partition saves is read off it: the backward graph's inputs, less the gradients' seeds and
+   tensors that live anyway (parameters, inputs). The first fit in one fixed order is the
+   cheapest fit, and monotonic by construction: a larger budget stops at the same partition
+   or an earlier one, which saves more only if the smaller budget could not take it.
    If none fits, the partition saving least is taken and a UserWarning names the budget and
    that floor.
 
@@ -80,7 +80,7 @@ class Outcome:
     budget_met: bool
     plan: str  # the candidate taken ("min-cut alone": untagged)
     regions: int
-    candidates: int
+    candidates: int  # partitions tried besides the untagged one
 
 
 def _call_steps(gm: fx.GraphModule) -> list[fx.Node]:
@@ -194,21 +194,24 @@ class BudgetPartitioner:
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         user_tags = {n.name: (n.meta["recompute"], n.meta.get("ac_graph_id"))
                      for n in _forward_nodes(joint) if "recompute" in n.meta}
-        tried = []  # (saved bytes, cost, candidate, (forward module, backward module))
-        for candidate in (None, *self.candidates):
+        tried = []  # (saved bytes, cost, candidate, (forward module, backward module)), in order of cost
+        limit = None
+        for candidate in (None, *sorted(self.candidates, key=lambda c: c.cost)):
             self._tag(_forward_nodes(joint), candidate, user_tags)  # the partitioner may replace the graph (CSE)
             modules = _torch_private.min_cut_partition(joint, joint_inputs, **kwargs)
             tried.append((saved_bytes(joint, modules[1]), candidate.cost if candidate else 0, candidate, modules))
+            if limit is None:
+                limit = self.amount * tried[0][0] if self.kind == "fraction" else self.amount
+            if tried[-1][0] <= limit:
+                break  # the cheapest that fits: first-fit in a fixed order is monotonic in the budget
         self._tag(_forward_nodes(joint), None, user_tags)
-        before = tried[0][0]
-        limit = self.amount * before if self.kind == "fraction" else self.amount
-        fitting = [t for t in tried if t[0] <= limit]
-        chosen = (max(fitting, key=lambda t: (t[0], -t[1])) if fitting else min(tried, key=lambda t: (t[0], t[1])))
-        plan = chosen[2]
-        self.outcome = Outcome(self.budget, int(limit), before, chosen[0], bool(fitting),
+        met = tried[-1][0] <= limit
+        chosen = tried[-1] if met else min(tried, key=lambda t: (t[0], t[1]))
+        plan, before = chosen[2], tried[0][0]
+        self.outcome = Outcome(self.budget, int(limit), before, chosen[0], met,
                                plan.name if plan else "min-cut alone",
                                len({region for _, region in plan.tags.values()}) if plan else 0, len(tried) - 1)
-        if not fitting:
+        if not met:
             warnings.warn(f"fxopt: memory_budget {self.budget!r} ({limit / 1e6:.2f} MB saved for backward) NOT met "
                           f"under torch.compile: lowest reachable {chosen[0] / max(before, 1):.2f}x "
                           f"({chosen[0] / 1e6:.2f} MB) of what the graph saves without recomputation", stacklevel=2)
