@@ -200,17 +200,29 @@ def inductor_compile_with_partitioner(gm, example_inputs, partition_fn):
     (after Inductor's joint-graph passes), through `torch._inductor.config.custom_partitioner_fn`."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
+
+    with config.patch(custom_partitioner_fn=_custom_partitioner_class()(partition_fn)):
+        return compile_fx(gm, example_inputs)
+
+
+@functools.cache
+def _custom_partitioner_class():
+    """A CustomPartitionerFn calling a given function; a module global, so Inductor can pickle its config."""
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-    class _Partitioner(CustomPartitionerFn):
+    class FxoptPartitioner(CustomPartitionerFn):
+        def __init__(self, partition_fn):
+            self.partition_fn = partition_fn
+
         def __call__(self, gm, joint_inputs, **kwargs):
-            return partition_fn(gm, joint_inputs, **kwargs)
+            return self.partition_fn(gm, joint_inputs, **kwargs)
 
         def uuid(self):
             return None  # the partition depends on the budget: no cached compile may be reused
 
-    with config.patch(custom_partitioner_fn=_Partitioner()):
-        return compile_fx(gm, example_inputs)
+    FxoptPartitioner.__qualname__ = FxoptPartitioner.__name__
+    globals()[FxoptPartitioner.__name__] = FxoptPartitioner
+    return FxoptPartitioner
 
 
 def has_custom_partitioner() -> bool:
