@@ -27,19 +27,11 @@ import torch
 from tabulate import tabulate
 
 import fxopt
+from checkpoint_vs_peers import LastHiddenState
 from fxopt import _torch_private
 from fxopt.measure import measure_allocator_peak, measure_saved_bytes
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1)
-
-
-class LastHiddenState(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(x).last_hidden_state
 
 
 def _mlp():

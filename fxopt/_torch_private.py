@@ -166,33 +166,24 @@ def inductor_compile(gm, example_inputs, freezing: bool = False):
         return compile_fx(gm, example_inputs)
 
 
-def aot_eager_compile(gm, example_inputs):
+def aot_eager_compile(gm, example_inputs, partition_fn=None):
     """AOTAutograd with Inductor's decompositions and min-cut partitioner, and no code generation:
     a debugging hand-off that traces and partitions forward/backward the way Inductor's does.
 
     Random ops keep their ATen form (their decompositions are left out): a decomposed dropout
     draws different numbers than eager; ATen's `native_dropout` draws the same (as torch's own
-    aot_eager, which decomposes nothing)."""
+    aot_eager, which decomposes nothing). `partition_fn(joint, joint_inputs, **kwargs)` replaces the min-cut
+    partitioner."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.compilers import nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
     decompositions = {op: fn for op, fn in select_decomp_table().items() if not op_is_random(op)}
-    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition,
+    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop,
+                           partition_fn=partition_fn or min_cut_rematerialization_partition,
                            decompositions=decompositions)
     return backend(gm, example_inputs)
-
-
-def aot_eager_compile_with_partitioner(gm, example_inputs, partition_fn):
-    """`aot_eager_compile` with `partition_fn(joint, joint_inputs, **kwargs)` instead of the min-cut partitioner."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.compilers import nop
-    from torch._inductor.decomposition import select_decomp_table
-
-    decompositions = {op: fn for op, fn in select_decomp_table().items() if not op_is_random(op)}
-    return aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition_fn,
-                        decompositions=decompositions)(gm, example_inputs)
 
 
 def inductor_compile_with_partitioner(gm, example_inputs, partition_fn):

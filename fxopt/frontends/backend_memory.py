@@ -240,7 +240,7 @@ def compile_with_memory_budget(gm: fx.GraphModule, example_inputs: list, budget,
                          "a custom partitioner (torch >= 2.8); use inner='aot_eager' or fxopt.optimize")
     partitioner = BudgetPartitioner(budget, plan_candidates(gm, example_inputs))
     if inner == "aot_eager":
-        compiled = _torch_private.aot_eager_compile_with_partitioner(gm, example_inputs, partitioner)
+        compiled = _torch_private.aot_eager_compile(gm, example_inputs, partitioner)
     else:
         compiled = _torch_private.inductor_compile_with_partitioner(gm, example_inputs, partitioner)
     if report is not None and partitioner.outcome is not None:
