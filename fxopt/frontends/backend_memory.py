@@ -244,7 +244,7 @@ def compile_with_memory_budget(gm: fx.GraphModule, example_inputs: list, budget,
     else:
         compiled = _torch_private.inductor_compile_with_partitioner(gm, example_inputs, partitioner)
     if report is not None and partitioner.outcome is not None:
-        entry = PassReport("checkpoint_activations", figures=dataclasses.asdict(partitioner.outcome))
+        entry = PassReport(name="checkpoint_activations", figures=dataclasses.asdict(partitioner.outcome))
         if not partitioner.outcome.budget_met:
             entry.figures["headline"] = (f"memory_budget {budget!r} NOT met under torch.compile: lowest reachable "
                                          f"{partitioner.outcome.saved_bytes_after / 1e6:.2f} MB saved for backward")
