@@ -166,22 +166,69 @@ def inductor_compile(gm, example_inputs, freezing: bool = False):
         return compile_fx(gm, example_inputs)
 
 
-def aot_eager_compile(gm, example_inputs):
+def aot_eager_compile(gm, example_inputs, partition_fn=None):
     """AOTAutograd with Inductor's decompositions and min-cut partitioner, and no code generation:
     a debugging hand-off that traces and partitions forward/backward the way Inductor's does.
 
     Random ops keep their ATen form (their decompositions are left out): a decomposed dropout
     draws different numbers than eager; ATen's `native_dropout` draws the same (as torch's own
-    aot_eager, which decomposes nothing)."""
+    aot_eager, which decomposes nothing). `partition_fn(joint, joint_inputs, **kwargs)` replaces the min-cut
+    partitioner."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.compilers import nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
     decompositions = {op: fn for op, fn in select_decomp_table().items() if not op_is_random(op)}
-    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition,
+    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop,
+                           partition_fn=partition_fn or min_cut_rematerialization_partition,
                            decompositions=decompositions)
     return backend(gm, example_inputs)
+
+
+def inductor_compile_with_partitioner(gm, example_inputs, partition_fn):
+    """Inductor's `compile_fx` partitioning forward/backward with `partition_fn(joint, joint_inputs, **kwargs)`
+    (after Inductor's joint-graph passes), through `torch._inductor.config.custom_partitioner_fn`."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    with config.patch(custom_partitioner_fn=_custom_partitioner_class()(partition_fn)):
+        return compile_fx(gm, example_inputs)
+
+
+@functools.cache
+def _custom_partitioner_class():
+    """A CustomPartitionerFn calling a given function; a module global, so Inductor can pickle its config."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class FxoptPartitioner(CustomPartitionerFn):
+        def __init__(self, partition_fn):
+            self.partition_fn = partition_fn
+
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return self.partition_fn(gm, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return None  # the partition depends on the budget: no cached compile may be reused
+
+    FxoptPartitioner.__qualname__ = FxoptPartitioner.__name__
+    globals()[FxoptPartitioner.__name__] = FxoptPartitioner
+    return FxoptPartitioner
+
+
+def has_custom_partitioner() -> bool:
+    """Whether this torch lets a backend give Inductor its own forward/backward partitioner (torch >= 2.8)."""
+    from torch._inductor import config
+
+    return hasattr(config, "custom_partitioner_fn")
+
+
+def min_cut_partition(joint, joint_inputs, **kwargs):
+    """AOTAutograd's min-cut partitioner: (forward module, backward module) of a joint graph; it reads
+    `node.meta["recompute"]` (`CheckpointPolicy`) and `node.meta["ac_graph_id"]`."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 def activation_memory_budget(fraction: float | None):
@@ -191,6 +238,14 @@ def activation_memory_budget(fraction: float | None):
     from torch._functorch import config
 
     return config.patch(activation_memory_budget=fraction) if fraction is not None else contextlib.nullcontext()
+
+
+def outside_tracing_context():
+    """Context without Dynamo's TracingContext, whose fake mode `detect_fake_mode` would otherwise return
+    (its fake parameters do not require grad, and mixing it with other fake tensors fails)."""
+    from torch._guards import tracing
+
+    return tracing(None)
 
 
 def reset_dynamo() -> None:

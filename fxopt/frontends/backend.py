@@ -15,10 +15,10 @@ What the passes know of this path (`PassContext`), and so do themselves:
   guards_checked=False    nothing checks guards per call, so fold_conv_bn emits the fold as graph
                           ops on the weight inputs: it always follows the current parameter values.
   aot_autograd_next=True  inplace_relu does nothing (AOTAutograd functionalizes the graph, undoing
-                          in-place ops); checkpoint_activations does nothing: `memory_budget` (a
-                          fraction) sets the min-cut partitioner's `activation_memory_budget` while
-                          the graph is compiled, so recomputation is chosen where AOTAutograd
-                          splits forward/backward.
+                          in-place ops); checkpoint_activations makes no regions: with `memory_budget`
+                          (a fraction or a size, as in fxopt.optimize) fxopt's planner tags what
+                          AOTAutograd's min-cut partitioner recomputes (fxopt.frontends.backend_memory)
+                          and its outcome replaces the pass's entry in the report.
 
 Hand-off (`inner`):
   "inductor"   Inductor's compile_fx. In inference, parameter inputs become constants of the
@@ -35,8 +35,8 @@ Hand-off (`inner`):
                under a memory budget fails in backward, as with torch's own aot_eager).
   "eager"      the optimized fx graph as is (debugging).
 
-Options: passes (None: the default pipeline of the mode), memory_budget (a fraction; training
-graphs), differentiable_outputs (training graphs; passed to prune_dead_grads), inner, freeze,
+Options: passes (None: the default pipeline of the mode), memory_budget (a fraction or a size;
+training graphs), differentiable_outputs (training graphs; passed to prune_dead_grads), inner, freeze,
 verify (compare the graph before/after each pass: outputs, input gradients, updated buffers),
 report (a callable taking each graph's `Report`, or a path to which one JSON line per graph is
 appended). Unknown or malformed options raise FxoptError (wrapped by Dynamo as
@@ -57,10 +57,12 @@ import torch.fx as fx
 from .. import _torch_private
 from ..errors import FxoptError
 from ..passes.base import INFERENCE, TRAINING, PassContext
+from ..passes.checkpoint_activations import parse_budget
 from ..pipeline.pipelines import build_pipeline
 from ..pipeline.report import Report
 from ..pipeline.run import from_dynamo_graph, run_pipeline
 from ..pipeline.verify import Verifier
+from .backend_memory import compile_with_memory_budget
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
@@ -107,10 +109,7 @@ class BackendOptions:
         for mode in (INFERENCE, TRAINING):  # unknown passes, options no selected pass takes
             build_pipeline(mode, self.passes, self.pass_options(mode), mode_per_graph=True)
         if self.memory_budget is not None:
-            budget = self.memory_budget
-            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
-                raise FxoptError(f"memory_budget for backend 'fxopt' must be a fraction in (0, 1], got {budget!r} "
-                                 "(byte budgets need fxopt.optimize)")
+            parse_budget(self.memory_budget)  # a fraction or a size with a unit, as in fxopt.optimize
             if self.inner == "eager":
                 raise FxoptError("memory_budget needs inner='inductor' or 'aot_eager' (the eager hand-off has no "
                                  "partitioner to recompute activations)")
@@ -157,17 +156,18 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
     captured = from_dynamo_graph(gm, example_inputs, f"dynamo_graph_{next(_graph_numbers)}")
     ctx = PassContext(mode, pass_options, constant_inputs, guards_checked=False, aot_autograd_next=True)
     report = run_pipeline(captured, pipeline, ctx, verifier=verifier)
+    if training and options.memory_budget is not None:  # fxopt's planner tags what the partitioner recomputes
+        compiled = compile_with_memory_budget(gm, example_inputs, options.memory_budget, options.inner, report)
+        _deliver(report, options.report, on_report)
+        return compiled
     _deliver(report, options.report, on_report)
-
-    budget = options.memory_budget if training else None
-    with _torch_private.activation_memory_budget(budget):
-        if options.inner == "eager":
-            return gm
-        if options.inner == "aot_eager":
-            return _torch_private.aot_eager_compile(gm, example_inputs)
-        if not training and options.freeze and constant_inputs:
-            return FrozenInference(gm, example_inputs, constant_inputs)
-        return _torch_private.inductor_compile(gm, example_inputs)
+    if options.inner == "eager":
+        return gm
+    if options.inner == "aot_eager":
+        return _torch_private.aot_eager_compile(gm, example_inputs)
+    if not training and options.freeze and constant_inputs:
+        return FrozenInference(gm, example_inputs, constant_inputs)
+    return _torch_private.inductor_compile(gm, example_inputs)
 
 
 def _deliver(report: Report, target, on_report) -> None:

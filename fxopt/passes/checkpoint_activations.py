@@ -158,8 +158,8 @@ class CheckpointActivations(Pass):
             return result
         kind, amount = parse_budget(value)
         if ctx.aot_autograd_next:
-            result.skipped = ("under torch.compile, AOTAutograd's partitioner decides what to recompute "
-                              "(torch._functorch.config.activation_memory_budget)")
+            result.skipped = ("under torch.compile, fxopt's planner tags what AOTAutograd's partitioner "
+                              "recomputes (fxopt.frontends.backend_memory)")
             return result
         if any(isinstance(m, CheckpointedRegion) for m in gm.modules()):
             result.skipped = "the graph already holds checkpointed regions"
