@@ -8,10 +8,8 @@ fastest drops it). FLOPs (fxopt.analysis.flops)
 price a layer norm, a softmax or a dropout at nothing; on a real model those memory-bound ops
 are a large part of what recomputation costs, which only a clock sees.
 
-It leaves no trace: parameters are only read, buffers (BatchNorm statistics) are copied back
-whatever their version says (a train-mode `aten.batch_norm` writes its running statistics without
-bumping their version, so `fxopt.state_preservation` would miss it), the RNG is forked, and the
-caller's tensors are never inputs.
+It leaves no trace: parameters are only read, buffers (BatchNorm statistics) and the RNG are
+put back (`fxopt.state_preservation`), and the caller's tensors are never inputs.
 A graph that cannot run on such inputs has no timing: None (callers fall back to FLOPs).
 It runs once per `fxopt.analysis.memory.step_profile`, whose every plan then reads it.
 """
@@ -22,6 +20,7 @@ import time
 import torch
 import torch.fx as fx
 
+from ..state_preservation import preserved_state
 from .costs import placeholder_values
 
 ROUNDS = 2  # the fastest of two runs per node: the first warms up, the second is what a step pays
@@ -58,17 +57,12 @@ class _Timed(fx.Interpreter):
 def node_seconds(gm: fx.GraphModule) -> dict[str, float] | None:
     """Forward seconds of every call node of `gm` on real tensors (see module docstring), or None."""
     examples = placeholder_values(gm)
-    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with preserved_state(gm, parameters=False), torch.no_grad():
             inputs = [_real_like(v) for v in examples]
             runs = [dict() for _ in range(ROUNDS)]
             for seconds in runs:
                 _Timed(gm, seconds).run(*inputs)
     except Exception:  # noqa: BLE001 - data-dependent code or inputs zeros cannot stand for: no timing
         return None
-    finally:
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
     return {name: min(r[name] for r in runs) for name in runs[-1]}
