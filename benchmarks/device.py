@@ -1,5 +1,6 @@
 """Device and dtype for every benchmark: `--device cpu|cuda`, `--dtype float32|bfloat16|float16`,
-timing with CUDA events on CUDA (perf_counter on CPU) and the peak memory of a training step
+timing with CUDA events on CUDA (on CPU: the calling thread's CPU time when torch runs one thread, which
+the other processes of a shared machine do not inflate as they do a wall clock; else perf_counter) and the peak memory of a training step
 (`torch.cuda.max_memory_allocated` on CUDA; the allocator's events through the profiler on CPU,
 `fxopt.measure.measure_allocator_peak`, which also sees inside torch.compile'd code).
 """
@@ -52,7 +53,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds of one call of `fn()`: CUDA events on CUDA (synchronized), perf_counter on CPU."""
+    """Milliseconds of one call of `fn()`: CUDA events on CUDA (synchronized); on CPU the thread's CPU time when torch
+    runs one thread (all the work is on this thread; preemption by other processes is not counted), else perf_counter."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -60,9 +62,10 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
         end.record()
         torch.cuda.synchronize(device)
         return start.elapsed_time(end)
-    t = time.perf_counter()
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    t = clock()
     fn()
-    return (time.perf_counter() - t) * 1e3
+    return (clock() - t) * 1e3
 
 
 def round_robin_ms(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,

@@ -70,7 +70,10 @@ def main(argv=None) -> None:
             f"Machine: {machine(device)}; device {args.device}, dtype {args.dtype}.",
             "Models: the corpus (`tests/corpus/corpus_models.py`, Hugging Face configurations with random weights; "
             f"{'tiny configurations: latencies here are dominated by per-op overhead, not compute' if args.small else 'the published sizes: ResNet = ResNet-50, BERT = BERT-base at sequence 512'}).",
-            "Each table comes from one process running its variants side by side, called round-robin; medians.\n",
+            "Each table comes from one process running its variants side by side, called round-robin; medians"
+            + (" of CUDA-event times.\n" if device.type == "cuda" else
+               " of the calling thread's CPU time (one torch thread; a shared machine's load does not inflate it).\n"
+               if torch.get_num_threads() == 1 else " of wall-clock times.\n"),
             "## Inference latency\n",
             "Eager path (`fxopt.optimize`) and `torch.compile(backend=\"fxopt\")` against torch.fx `fuse`, "
             "`torch.jit.freeze`, Inductor and Inductor with freezing. `rel diff`: largest output difference over the "

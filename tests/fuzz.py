@@ -383,8 +383,11 @@ def options_for(case: Case, passes: list[str] | None) -> dict:
 
 
 def blame(case: Case, outcome: Outcome) -> str:
-    """The pass whose removal from the pipeline makes the failure go away ("" if none alone does)."""
+    """"capture" if the failure stays without any pass, else the pass whose removal from the pipeline makes it go
+    away ("" if none alone does)."""
     from fxopt.pipeline.pipelines import DEFAULT_PIPELINES, ONLY_WITH_OPTION
+    if check(case, []).status != "ok":
+        return "capture"
     pipeline = [p for p in DEFAULT_PIPELINES[case.mode] if ONLY_WITH_OPTION.get(p, "") in ("", *case.options)]
     for name in pipeline:
         if check(case, [p for p in pipeline if p != name]).status == "ok":
@@ -392,23 +395,11 @@ def blame(case: Case, outcome: Outcome) -> str:
     return ""
 
 
-# Bugs already known, each with where it is tracked: (pass blamed or None for any, text in the failure, what it is).
+# Bugs already known, each with where it is tracked: (pass blamed, "capture", or None for any; text in the failure;
+# what it is).
 # A finding that matches is reported as known and does not fail the run; delete an entry once its fix
 # is merged (the matching xfail test in tests/test_fuzz_findings.py then fails as XPASS, as a reminder).
-KNOWN = (
-    (None, "not found in storage",
-     "issue #13 (fixed on core): a train-mode BatchNorm recomputed in a selective checkpoint region"),
-    ("inplace_relu", "modified by an inplace operation",
-     "issue #13 (fixed on core): leaky_relu/ELU made in place although the model writes the result in place later"),
-    ("prune_dead_grads", "buffer:",
-     "issue #13 (fixed on core): an unread train-mode F.batch_norm removed with its running-statistics update"),
-    (None, "modified by an inplace operation",
-     "open (issue #13), not yet reduced: the default training pipeline, no single pass alone, makes backward "
-     "fail on a tensor written in place (seeds 62081370, 60060570; about 1 network in 1,000); test_fuzz_findings.py"),
-    ("fold_conv_bn", "differs by",
-     "found by this fuzzer: folding a BN -> BN chain re-emits the conv past an in-place write to its input "
-     "(seed 59745474); test_fuzz_findings.py"),
-)
+KNOWN: tuple[tuple[str | None, str, str], ...] = ()
 
 
 def known_issue(pass_name: str, detail: str) -> str:

@@ -1,10 +1,10 @@
 """Bugs the fuzzer (tests/fuzz.py) found, each reduced to a small model, plus a short fuzz run in the
-default suite. A bug in a pass somebody else is rewriting stays here as a strict xfail with its reason:
-when the fix lands the test passes, the xfail fails as XPASS, and the mark (and its entry in
-`fuzz.KNOWN`) is deleted."""
+default suite. A bug not fixed yet stays here as a strict xfail with its reason and an entry in
+`fuzz.KNOWN`: when the fix lands the test passes, the xfail fails as XPASS, and both are deleted."""
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from equivalence import assert_same_step
 from fuzz import check, fuzz, valid_case
 
@@ -98,15 +98,29 @@ class WriteBetweenFolds(nn.Module):
         return self.bn_b(y), h
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fold_conv_bn (owned by core): folding a BN -> BN chain into the conv re-emits the conv at the later BN, "
-    "after an in-place write to the conv's input (fuzz seed 59745474)"))
-def test_fold_does_not_move_a_conv_past_a_write_to_its_input():
-    """The folded conv must read its input as it was when the original conv ran."""
+class WriteBetweenConvAndBN(nn.Module):
+    """conv -> BN, with the conv's input written in place between the two."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        h = torch.sigmoid(x)
+        y = self.conv(h)
+        h.add_(0.5)  # the conv's input, written after the conv read it
+        return self.bn(y), h
+
+
+@pytest.mark.parametrize("make_model", [WriteBetweenFolds, WriteBetweenConvAndBN])
+def test_fold_does_not_move_a_conv_past_a_write_to_its_input(make_model):
+    """The folded conv must read its input as it was when the original conv ran (fuzz seed 59745474: a BN -> BN
+    chain folded twice re-emitted the conv at the later BN, after an in-place write to the conv's input)."""
     torch.manual_seed(0)
-    model = WriteBetweenFolds().double().eval()
+    model = make_model().double().eval()
     with torch.no_grad():
-        for bn in (model.bn_a, model.bn_b):
+        for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
             bn.running_mean.normal_()
             bn.running_var.uniform_(0.5, 2.0)
     inputs = (torch.randn(4, 3, 5, 5, dtype=torch.float64),)
@@ -114,11 +128,33 @@ def test_fold_does_not_move_a_conv_past_a_write_to_its_input():
     assert_same_step(model, optimized, inputs, training=False, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open (issue #13): these fuzz seeds fail in backward with 'modified by an inplace operation' after the "
-    "default training pipeline; no single pass alone causes it (not yet reduced; fuzz.KNOWN lists it)"))
+class SharedCumulativeStatistics(nn.Module):
+    """A BatchNorm(momentum=None) whose statistics a functional F.batch_norm (momentum 0.1) also reads and updates."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(3, momentum=None)
+
+    def forward(self, x):
+        b = self.bn
+        y = F.batch_norm(x, b.running_mean, b.running_var, b.weight, b.bias, True, 0.1, b.eps)
+        return b(x) + y
+
+
+@pytest.mark.parametrize("passes", [[], None])
+def test_cumulative_batchnorm_update_keeps_saved_statistics_valid(passes):
+    """Capture's update of a momentum=None BatchNorm's statistics must not bump their version counter, as ATen's does
+    not: the functional batch norm saved them for backward, which eager runs and a bump made fail (fuzz seeds
+    60060570, 62081370: 'modified by an inplace operation' with or without any pass)."""
+    model = SharedCumulativeStatistics().double().train()
+    inputs = (torch.randn(4, 3, 5, 5, dtype=torch.float64),)
+    optimized = fxopt.optimize(model, inputs, passes=passes)
+    assert_same_step(model, optimized, inputs, training=True, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("seed", [62_081_370, 60_060_570])
 def test_fuzz_seed_trains_like_eager(seed):
-    """The generated network of each seed trains like eager after the default pipeline."""
+    """The generated network of each seed trains like eager after the default pipeline (it crashed in backward
+    with 'modified by an inplace operation': the capture bug above)."""
     (outcome,) = fuzz(base_seed=seed, count=1, workers=1)
     assert outcome.status == "ok", outcome.detail.splitlines()[0]

@@ -10,6 +10,13 @@ overwrite), then
 `running = f * batch_stat + (1 - f) * running` with `f = 1 / num_batches_tracked` as a tensor —
 the formula of ATen's batch-norm update, in float64 like ATen's `double` momentum, with the
 unbiased batch variance as ATen uses. The graph so reads the counter at every call, as eager does.
+
+The new statistics are written the way eager writes them: by ATen's batch norm (momentum 1 on a
+two-row batch whose mean and unbiased variance are the new values), not by `copy_`. ATen's update
+leaves the buffers' version counters alone, a `copy_` bumps them, and another batch norm that saved
+the same buffers for backward (a functional `F.batch_norm` on this module's statistics) would then
+fail in backward with "modified by an inplace operation" where eager runs (fuzz seeds 60060570,
+62081370).
 """
 from __future__ import annotations
 
@@ -35,10 +42,19 @@ def _cumulative_average_forward(bn: torch.nn.modules.batchnorm._BatchNorm):
         factor = 1.0 / bn.num_batches_tracked.double()
         batch_dims = [d for d in range(input.dim()) if d != 1]
         var, mean = torch.var_mean(input.detach().double(), dim=batch_dims, correction=1)
-        for running, batch in ((bn.running_mean, mean), (bn.running_var, var)):
-            running.copy_(factor * batch + (1 - factor) * running.double())
+        new_mean = factor * mean + (1 - factor) * bn.running_mean.double()
+        new_var = factor * var + (1 - factor) * bn.running_var.double()
+        _write_statistics(bn.running_mean, bn.running_var, new_mean, new_var)
         return output
     return forward
+
+
+def _write_statistics(running_mean: torch.Tensor, running_var: torch.Tensor, mean: torch.Tensor,
+                      var: torch.Tensor) -> None:
+    """running_mean, running_var <- mean, var, through ATen's batch-norm update (no version bump; see above)."""
+    half_spread = (var / 2).sqrt()  # rows mean +- half_spread: mean `mean`, unbiased variance 2 * half_spread**2
+    rows = torch.stack([mean + half_spread, mean - half_spread]).to(running_mean.dtype)
+    F.batch_norm(rows, running_mean, running_var, None, None, True, 1.0, 1e-5)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ that are the module's own tensors, grad-mode and autocast regions as
 `wrap_with_set_grad_enabled` / `wrap_with_autocast` calls, buffer writes as in-place ops — made
 into a plain `torch.fx.GraphModule`: without export's input-guard call (`_guards_fn`, which fails
 with an `AssertionError`; its facts are kept in a `CallSpec`), and without export's forward hooks
-(closures that neither pickle nor let a call differ).
+(closures that neither pickle nor let a call differ), and without the all-True attention masks
+export made Hugging Face models build where eager passes none (`attention_masks.py`).
 
 The first dimension of every tensor argument is exported as `Dim.AUTO`: symbolic where the
 model's code allows it, silently static where it does not (and always static for an example
@@ -23,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from .attention_masks import drop_all_true_masks
 from .call_spec import CallSpec
 from ..state_preservation import preserved_state
 from .cumulative_batchnorm import traceable_cumulative_batchnorm
@@ -66,6 +68,7 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exporte
         return describe_failure(e, module)
     exported = _torch_private.exported_module(ep)
     gm = _plain_graph_module(exported, type(module).__name__)
+    drop_all_true_masks(gm)
     call = CallSpec.from_export(gm, ep.range_constraints, kwargs)
     return Exported(gm, call, {path: m.training for path, m in module.named_modules()})
 

@@ -165,7 +165,13 @@ class FoldConvBN(Pass):
         groups = getattr(layer, "groups", 1)
         refs = (layer.weight, layer.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
         graph = gm.graph
-        with graph.inserting_before(bn.node):
+        # The folded layer runs where the layer ran, not where the BN ran: the layer's input may be written in
+        # place in between (fuzz seed 59745474, a conv -> BN -> BN chain folded twice).
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for ref in refs:
+            if isinstance(ref, fx.Node) and ref.op == "get_attr" and order[ref] > order[layer.node]:
+                layer.node.prepend(ref)
+        with graph.inserting_before(layer.node):
             real = [resolve(r, gm) for r in refs]
             if precompute and all(t is not None or r is None for t, r in zip(real, refs)):
                 with torch.no_grad():

@@ -72,7 +72,7 @@ CORPUS: tuple[Entry, ...] = (
                                          max_position_embeddings=64)), TEXT),
     Entry("GPT-2", "text", _hf(T.GPT2Model, T.GPT2Config,
                                dict(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
-                                    eos_token_id=0)), TEXT),
+                                    eos_token_id=0, use_cache=False), dict(use_cache=False)), TEXT),
     Entry("T5-encoder", "text", _hf(T.T5EncoderModel, T.T5Config,
                                     dict(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2)),
           TEXT),

@@ -1,0 +1,60 @@
+"""capture drops the all-True attention masks export makes models build (fxopt/capture/attention_masks.py)."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxopt
+
+
+class Attention(nn.Module):
+    """SDPA with a mask built as `kind` says: all True from constants, partly False from constants, or from an input."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.proj = nn.Linear(8, 24)
+
+    def forward(self, x, keep=None):
+        q, k, v = self.proj(x).unsqueeze(1).chunk(3, dim=-1)
+        n = x.shape[1]
+        if self.kind == "input":
+            mask = keep[:, None, None, :].expand(x.shape[0], 1, n, n)
+        else:
+            positions = torch.arange(n)
+            allowed = positions >= 0 if self.kind == "all_true" else positions[None, :] <= positions[:, None]
+            mask = allowed.expand(x.shape[0], 1, n, n)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _mask(sdpa):
+    return sdpa.args[3] if len(sdpa.args) > 3 else sdpa.kwargs.get("attn_mask")
+
+
+def _optimize(kind: str, mode: str):
+    model = Attention(kind).double().train(mode == "training")
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    args = (x, torch.tensor([[True] * 4 + [False]] * 2)) if kind == "input" else (x,)
+    return model, args, fxopt.optimize(model, args, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_all_true_constant_mask_is_dropped_and_the_result_is_unchanged(mode):
+    """A mask built from constants alone that is all True masks nothing: the graph calls SDPA without it."""
+    model, args, optimized = _optimize("all_true", mode)
+    graph = optimized.graph_module.graph
+    assert [_mask(n) for n in graph.nodes if n.target is _SDPA] == [None]
+    assert not [n for n in graph.nodes if n.target in (torch.ops.aten.arange.default, torch.ops.aten.ge.Scalar)]
+    torch.testing.assert_close(optimized(*args), model(*args), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["causal", "input"])
+def test_a_mask_that_masks_something_or_reads_an_input_is_kept(kind):
+    """A constant mask with a False entry, or one read from an argument, changes SDPA's result: it must stay."""
+    model, args, optimized = _optimize(kind, "inference")
+    masks = [_mask(n) for n in optimized.graph_module.graph.nodes if n.target is _SDPA]
+    assert len(masks) == 1 and masks[0] is not None
+    torch.testing.assert_close(optimized(*args), model(*args), rtol=1e-12, atol=1e-12)
