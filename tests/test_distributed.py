@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import datetime
 import faulthandler
+import gc
 import os
 import socket
 import time
@@ -89,6 +90,12 @@ def worker(rank: int, init_method: str, engine: str, optimizer: str, autocast: b
         else:
             engine_model = wrap(engine, candidate)
         train(engine_model, data, autocast)
+        # DDP's reducer holds the process group: drop it while the other rank is still connected, then
+        # meet it, so neither tears gloo down under the other (a gloo destructor left waiting on a rank
+        # that had already exited hung a CI run).
+        del engine_model
+        gc.collect()
+        dist.barrier()
         want, got = full_state(reference), full_state(candidate)
         tol = 2e-2 if autocast else 1e-5  # bf16 rounds differently once ops are reordered
         for k in want:
