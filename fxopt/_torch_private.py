@@ -312,6 +312,13 @@ def tensor_versions(tensors) -> list[int]:
 
 # ---- guards (fxopt.guards) ----
 
+def grad_and_autocast_state_calls() -> frozenset:
+    """The graph calls Dynamo records for `torch.no_grad()` / `torch.autocast` blocks: they change global
+    state for every node after them."""
+    return frozenset({torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
+                      torch.amp.autocast_mode._exit_autocast})
+
+
 def has_storage_bytes(t: torch.Tensor) -> bool:
     """Whether a (plain or DTensor) tensor's storage still holds bytes; FSDP2 frees storages with resize_(0)."""
     local = t.to_local() if hasattr(t, "to_local") else t

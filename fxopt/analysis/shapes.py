@@ -11,6 +11,8 @@ device, requires_grad), runs again on fake tensors; every other node keeps its v
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -52,8 +54,7 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
 _SOURCE = "fxopt_shape_of"
 _MISSING = object()
 # Calls that change global state for the nodes after them: a graph that gains one is propagated whole.
-_GLOBAL_STATE_CALLS = frozenset({torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
-                                 torch.amp.autocast_mode._exit_autocast})
+_GLOBAL_STATE_CALLS = _torch_private.grad_and_autocast_state_calls()
 
 
 def _source(node: fx.Node, gm: fx.GraphModule) -> tuple:
@@ -65,10 +66,11 @@ def _source(node: fx.Node, gm: fx.GraphModule) -> tuple:
 
 
 def _attribute(gm: fx.GraphModule, target: str):
-    value = gm
-    for name in target.split("."):
-        value = getattr(value, name, None)
-    return value
+    """The object a get_attr / call_module target names (None if a pass removed it)."""
+    try:
+        return operator.attrgetter(target)(gm)
+    except AttributeError:
+        return None
 
 
 def remember_shape_sources(gm: fx.GraphModule) -> None:
