@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from equivalence import assert_same_step, assert_state_unchanged, state_snapshot
+from graph_forms import exported_graph
 from torch.testing import FileCheck
 
 import fxopt
@@ -241,13 +242,12 @@ def test_graph_for_torch_compile_folds_as_graph_ops_even_on_attributes():
     """A graph handed on to torch.compile keeps the fold as ops, so later parameter updates are never stale."""
     torch.manual_seed(0)
     model = randomize(nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6))).eval()
-    gm = torch.fx.symbolic_trace(model)  # shares the conv and BN modules with `model`
     x = torch.randn(2, 3, 7, 7)
-    propagate_shapes(gm, (x,))
+    gm = exported_graph(model, (x,))  # shares the conv and BN tensors with `model`
     result = FoldConvBN().run(gm, PassContext("inference", guards_checked=False))
     gm.recompile()
     assert dict(result.stats) == {"folded": 1}
-    FileCheck().check("folded_conv_bn_params(").check("conv2d(").check_not("batch_norm(").run(gm.code)
+    FileCheck().check("folded_conv_bn_params(").check("conv2d").check_not("batch_norm").run(gm.code)
     with torch.no_grad():
         model[0].weight.mul_(-2.0)
         model[1].running_var.mul_(3.0)
@@ -526,14 +526,14 @@ def test_switching_a_folded_bn_to_train_mode_never_gives_a_stale_result():
 
 def test_refuses_statistics_the_graph_updates_in_place():
     """Running stats the forward itself updates change every call, so a fold computed once would go stale."""
-    model = randomize(LayerBN(nn.Conv2d(4, 6, 3), nn.BatchNorm2d(6))).eval()
-    graph = torch.fx.Graph()  # written out: symbolic_trace runs `buffer.mul_()` eagerly instead of recording it
-    y = graph.call_module("layer", (graph.placeholder("x"),))
-    mean, var = graph.get_attr("bn.running_mean"), graph.get_attr("bn.running_var")
-    graph.call_method("mul_", (mean, 0.5))  # a hand-written statistics update
-    graph.output(graph.call_function(F.batch_norm, (y, mean, var), {"training": False}))
-    gm = torch.fx.GraphModule(model, graph)
-    propagate_shapes(gm, (torch.randn(2, 4, 6, 6),))
+    class UpdatesStats(LayerBN):
+        def forward(self, x):
+            y = F.batch_norm(self.layer(x), self.bn.running_mean, self.bn.running_var, training=False)
+            self.bn.running_mean.mul_(0.5)  # a hand-written statistics update, after the BN reads them
+            return y
+
+    model = randomize(UpdatesStats(nn.Conv2d(4, 6, 3), nn.BatchNorm2d(6))).eval()
+    gm = exported_graph(model, (torch.randn(2, 4, 6, 6),))
     result = FoldConvBN().run(gm, PassContext("inference"))
     assert dict(result.stats) == {"refused_state_written": 1}
 

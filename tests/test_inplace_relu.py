@@ -11,16 +11,15 @@ import re
 
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from equivalence import assert_same_step, assert_state_unchanged, state_snapshot
+from graph_forms import function_form
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.testing import FileCheck
 
 import fxopt
-from fxopt.analysis.shapes import propagate_shapes
 from fxopt.measure import measure_peak, measure_saved_bytes
 from fxopt.passes.base import PassContext
 from fxopt.passes.inplace_relu import InplaceReLU
@@ -447,8 +446,7 @@ def test_default_pipelines_include_the_pass():
 
 def test_does_nothing_under_torch_compile():
     """As a torch.compile backend the pass does nothing: AOTAutograd functionalizes in-place ops."""
-    gm = fx.symbolic_trace(ConvAct(nn.ReLU()))
-    propagate_shapes(gm, IMAGE)
+    gm = function_form(ConvAct(nn.ReLU()), IMAGE)
     result = InplaceReLU().run(gm, PassContext("inference", aot_autograd_next=True))
     assert result.skipped and not result.sites
 

@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from equivalence import assert_same_step
+from graph_forms import exported_graph
 
 import fxopt
 from fxopt.analysis import grad_needs
@@ -374,27 +375,28 @@ def test_frozen_backbone_needs_no_rewrite():
     assert opt.fxopt_report["prune_dead_grads"].figures["params_needing_grad"] == ["2.bias", "2.weight"]
 
 
+def _reader_of(gm: fx.GraphModule, attribute: str) -> fx.Node:
+    """The one call of an exported graph that reads the parameter `attribute` (a layer's call)."""
+    (node,) = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == attribute).users
+    return node
+
+
 def test_linear_with_frozen_weight_is_left_alone():
     """Eager linear keeps no input when its weight is frozen: observed, and there is nothing to rewrite."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), freeze(nn.Linear(16, 16)), nn.Linear(16, 2)).train()
-    gm = fx.symbolic_trace(model)
-    fxopt.optimize(gm, X_VEC, mode="training", passes=[])  # fills node.meta["val"]
-    from fxopt.analysis.shapes import propagate_shapes
-    propagate_shapes(gm, (X_VEC,))
+    gm = exported_graph(model, (X_VEC,))
     needs = grad_needs.analyze_grad_needs(gm, list(gm.graph.nodes)[-2:-1])
-    frozen = next(n for n in gm.graph.nodes if n.target == "1")
-    assert grad_needs.really_saved(frozen, gm, needs.requires_grad).saved_inputs == ()
+    frozen = _reader_of(gm, "1.weight")
+    assert frozen.args[0] not in grad_needs.really_saved(frozen, gm, needs.requires_grad).saved_inputs
 
 
 def test_conv_with_frozen_weight_really_keeps_its_input():
     """The waste the pass removes is real: eager conv keeps its input though its weight is frozen."""
     model = frozen_middle()
-    gm = fx.symbolic_trace(model)
-    from fxopt.analysis.shapes import propagate_shapes
-    propagate_shapes(gm, (X_IMG,))
+    gm = exported_graph(model, (X_IMG,))
     needs = grad_needs.analyze_grad_needs(gm, [list(gm.graph.nodes)[-2]])
-    conv = next(n for n in gm.graph.nodes if n.target == "body.0.0")
+    conv = _reader_of(gm, "body.0.0.weight")
     assert conv.args[0] in grad_needs.really_saved(conv, gm, needs.requires_grad).saved_inputs
 
 
@@ -604,18 +606,20 @@ class Effects(nn.Module):
 
 def test_side_effect_classification():
     """Each kind of effect is named; eval-mode dropout and plain ops have none."""
-    gm = fx.symbolic_trace(Effects().train())
-    x = next(iter(gm.graph.nodes))
-    with gm.graph.inserting_after(x):  # calls symbolic tracing would run instead of recording
-        printed = gm.graph.call_function(print, (x,))
+    x = torch.randn(6, 4)
+    gm = exported_graph(Effects().train(), (x,))
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    with gm.graph.inserting_after(first):  # calls export would run instead of recording
+        printed = gm.graph.call_function(print, (first,))
         noise = gm.graph.call_function(torch.randn, (2,))
+        checked = gm.graph.call_function(torch._assert, (True, "2-D"))
     by_name = {n.name: effects(n, gm) for n in gm.graph.nodes}
-    assert effects(printed, gm) == {IO} and effects(noise, gm) == {RNG} and IO in by_name["_assert"]
-    assert by_name["bn"] == {STATS} and by_name["drop"] == {RNG} and by_name["act"] == {MUTATION}
-    assert by_name["add_"] == {MUTATION}
-    assert by_name["dropout"] == frozenset() and by_name["cat"] == frozenset()
-    gm.eval()
-    assert effects(next(n for n in gm.graph.nodes if n.name == "bn"), gm) == frozenset()
+    assert effects(printed, gm) == {IO} and effects(noise, gm) == {RNG} and IO in effects(checked, gm)
+    assert by_name["batch_norm"] == {STATS} and by_name["dropout"] == {RNG} and by_name["relu_"] == {MUTATION}
+    assert by_name["add_"] == by_name["add__1"] == {MUTATION}  # num_batches_tracked += 1, and c.add_(1)
+    assert by_name["dropout_1"] == frozenset() and by_name["cat"] == frozenset()
+    frozen = exported_graph(Effects().eval(), (x,))
+    assert effects(next(n for n in frozen.graph.nodes if n.name == "batch_norm"), frozen) == frozenset()
 
 
 def test_traced_argument_guard_survives():
@@ -630,13 +634,10 @@ def test_traced_argument_guard_survives():
 
 
 def test_opaque_module_is_an_effect():
-    """A module outside torch.nn (an opaque leaf) may do anything: never dropped, never unrecorded."""
-    class Leaf(fx.Tracer):
-        def is_leaf_module(self, m, qualname):
-            return qualname == "custom" or super().is_leaf_module(m, qualname)
-
-    root = Effects()
-    gm = fx.GraphModule(root, Leaf().trace(root))
+    """A module call (an opaque module, a region fxopt made) may do anything: never dropped, never unrecorded."""
+    graph = fx.Graph()
+    graph.output(graph.call_module("custom", (graph.placeholder("x"),)))
+    gm = fx.GraphModule(Effects(), graph)
     assert OPAQUE in effects(next(n for n in gm.graph.nodes if n.target == "custom"), gm)
 
 
