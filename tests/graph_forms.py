@@ -29,9 +29,13 @@ class _ThroughModules(fx.Tracer):
         return False
 
 
-def function_form(model: nn.Module, inputs: tuple | None = None) -> fx.GraphModule:
-    """`model` as a graph of torch functions and methods (shapes filled when `inputs` are given)."""
-    gm = fx.GraphModule(model, _ThroughModules().trace(model))
+def function_form(model: nn.Module, inputs: tuple | None = None, autowrap_functions: tuple = ()) -> fx.GraphModule:
+    """`model` as a graph of torch functions and methods (shapes filled when `inputs` are given),
+    each of `autowrap_functions` (e.g. torch.utils.checkpoint.checkpoint) kept as one call."""
+    graph = _ThroughModules(autowrap_functions=autowrap_functions).trace(model)
+    for node in graph.nodes:  # else the code re-registers those functions as wrapped for every later trace
+        node.meta.pop("is_wrapped", None)
+    gm = fx.GraphModule(model, graph)
     if inputs is not None:
         propagate_shapes(gm, inputs)
     return gm

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 from torch.testing import FileCheck
 from torch.utils.checkpoint import checkpoint
 
 import fxopt
 from equivalence import assert_same_step
-from fxopt.analysis.shapes import propagate_shapes
+from graph_forms import function_form
 from fxopt.passes.base import PassContext
 from fxopt.passes.checkpoint_activations import CheckpointActivations
 
@@ -276,13 +275,8 @@ def test_user_checkpoint_is_left_alone():
             return self.b(torch.tanh(checkpoint(self.b, h, use_reentrant=False)))
 
     # fxopt's capture traces through checkpoint(); a tracer that keeps it as a call shows what the pass does with it
-    model = HandCheckpointed()
-    graph = fx.Tracer(autowrap_functions=(checkpoint,)).trace(model)
-    for node in graph.nodes:  # else the code re-registers checkpoint as wrapped for every later trace
-        node.meta.pop("is_wrapped", None)
-    gm = fx.GraphModule(model, graph)
-    x = torch.randn(32, 64)
-    propagate_shapes(gm, (x,))
+    model, x = HandCheckpointed(), torch.randn(32, 64)
+    gm = function_form(model, (x,), autowrap_functions=(checkpoint,))
     result = CheckpointActivations().run(gm, PassContext("training", {"memory_budget": 0.1}))
     gm.recompile()
     assert result.stats["refused_already_checkpointed"] == 1 and result.stats["checkpointed"] >= 1

@@ -21,7 +21,6 @@ from torch.testing import FileCheck
 import fxopt
 from fxopt import _torch_private
 from fxopt.guards import TRAIN_MODE
-from fxopt.analysis.shapes import propagate_shapes
 from fxopt.measure import measure_saved_bytes
 from fxopt.passes.base import PassContext
 from fxopt.passes.fold_conv_bn import FoldConvBN

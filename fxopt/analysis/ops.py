@@ -1,39 +1,29 @@
 """Recognise an op in any of the forms a graph can hold it, as one record.
 
 The same convolution reaches fxopt as `aten.conv2d.default(x, weight, ...)` with `get_attr`
-weights (torch.export's ATen training IR, what `fxopt.optimize` captures), as
-`torch.conv2d(x, weight_placeholder, ...)` where parameters are graph inputs (TorchDynamo, the
-torch.compile backend), as `F.conv2d(x, self.weight, ...)`, or as a `call_module` to an
-`nn.Conv2d` (symbolic_trace). `match_conv`, `match_linear` and `match_batch_norm` turn each into
-a record whose tensor fields are `TensorRef`s, so a pass is written once for all forms.
+weights (torch.export's ATen training IR, what `fxopt.optimize` captures), or as
+`torch.conv2d(x, weight_placeholder, ...)` / `F.conv2d(...)` where parameters are graph inputs
+(TorchDynamo, the torch.compile backend). `match_conv`, `match_linear` and `match_batch_norm`
+turn each into a record whose tensor fields are graph nodes (`get_attr` or placeholder), so a
+pass is written once for both forms. A `call_module` is an opaque module (or a region fxopt
+made), never a layer these recognise.
 
 `region_of` recognises export's grad-mode and autocast regions
 (`wrap_with_set_grad_enabled(enabled, submod, *args)`, `wrap_with_autocast(device, dtype,
 enabled, cache, submod, *args)`): their body is a separate GraphModule, so a pass that looks at
 one graph never rewrites across a region boundary.
-
-A `TensorRef` is either an `fx.Node` (get_attr or placeholder) or the qualified name of a
-module attribute (`"layer1.conv.weight"`) for the `call_module` form.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-TensorRef = Union[fx.Node, str]
 aten = torch.ops.aten
 
-_BATCH_NORM_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
-# A subclass that overrides forward computes something else (it reaches us as an opaque leaf).
-_BATCH_NORM_FORWARDS = {m.forward for m in _BATCH_NORM_MODULES}
-_CONV_MODULES = {
-    torch.nn.Conv1d: (1, False), torch.nn.Conv2d: (2, False), torch.nn.Conv3d: (3, False),
-    torch.nn.ConvTranspose1d: (1, True), torch.nn.ConvTranspose2d: (2, True), torch.nn.ConvTranspose3d: (3, True),
-}
 _CONV_FUNCTIONS = {
     F.conv1d: (1, False), F.conv2d: (2, False), F.conv3d: (3, False),
     torch.conv1d: (1, False), torch.conv2d: (2, False), torch.conv3d: (3, False),
@@ -71,20 +61,12 @@ def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict) -> dict[str, An
     return bound
 
 
-def _attr(target: str, name: str) -> str:
-    return f"{target}.{name}"
-
-
-def call_module_target(node: fx.Node, gm: fx.GraphModule) -> torch.nn.Module | None:
-    return gm.get_submodule(node.target) if node.op == "call_module" else None
-
-
 @dataclasses.dataclass
 class ConvCall:
     node: fx.Node
     input: fx.Node
-    weight: TensorRef
-    bias: TensorRef | None
+    weight: fx.Node
+    bias: fx.Node | None
     spatial_dims: int
     transposed: bool
     stride: Any
@@ -92,18 +74,10 @@ class ConvCall:
     dilation: Any
     groups: int
     output_padding: Any
-    module: torch.nn.Module | None = None
-    unsupported: str = ""  # non-empty: a form we recognise but must not rewrite, and why
 
     def call_with(self, weight, bias) -> tuple[Any, tuple, dict]:
         """(target, args, kwargs) of this convolution with another weight and bias, in the graph's own form."""
-        if self.node.op == "call_function":
-            return _replace_weight_and_bias(self.node, weight, bias)
-        name = f"conv_transpose{self.spatial_dims}d" if self.transposed else f"conv{self.spatial_dims}d"
-        if self.transposed:
-            return getattr(F, name), (self.input, weight, bias, self.stride, self.padding, self.output_padding,
-                                      self.groups, self.dilation), {}
-        return getattr(F, name), (self.input, weight, bias, self.stride, self.padding, self.dilation, self.groups), {}
+        return _replace_weight_and_bias(self.node, weight, bias)
 
 
 def _replace_weight_and_bias(node: fx.Node, weight, bias) -> tuple[Any, tuple, dict]:
@@ -118,20 +92,6 @@ def _replace_weight_and_bias(node: fx.Node, weight, bias) -> tuple[Any, tuple, d
 
 
 def match_conv(node: fx.Node, gm: fx.GraphModule) -> ConvCall | None:
-    module = call_module_target(node, gm)
-    if module is not None:
-        kind = _CONV_MODULES.get(type(module))
-        if kind is None or not node.args:
-            return None
-        unsupported = ""
-        if getattr(module, "padding_mode", "zeros") != "zeros":
-            unsupported = f"padding_mode={module.padding_mode!r}"
-        elif len(node.args) > 1 or node.kwargs:
-            unsupported = "called with output_size"
-        return ConvCall(node, node.args[0], _attr(node.target, "weight"),
-                        _attr(node.target, "bias") if module.bias is not None else None, kind[0], kind[1],
-                        module.stride, module.padding, module.dilation, module.groups,
-                        getattr(module, "output_padding", 0), module, unsupported)
     if node.op != "call_function":
         return None
     if node.target is aten.convolution.default:
@@ -150,24 +110,15 @@ def match_conv(node: fx.Node, gm: fx.GraphModule) -> ConvCall | None:
 class LinearCall:
     node: fx.Node
     input: fx.Node
-    weight: TensorRef
-    bias: TensorRef | None
-    module: torch.nn.Module | None = None
+    weight: fx.Node
+    bias: fx.Node | None
 
     def call_with(self, weight, bias) -> tuple[Any, tuple, dict]:
         """(target, args, kwargs) of this linear layer with another weight and bias, in the graph's own form."""
-        if self.node.op == "call_function":
-            return _replace_weight_and_bias(self.node, weight, bias)
-        return F.linear, (self.input, weight, bias), {}
+        return _replace_weight_and_bias(self.node, weight, bias)
 
 
 def match_linear(node: fx.Node, gm: fx.GraphModule) -> LinearCall | None:
-    module = call_module_target(node, gm)
-    if module is not None:
-        if type(module) is not torch.nn.Linear or len(node.args) != 1:
-            return None
-        bias = _attr(node.target, "bias") if module.bias is not None else None
-        return LinearCall(node, node.args[0], _attr(node.target, "weight"), bias, module)
     if node.op != "call_function" or node.target not in _LINEAR_FUNCTIONS:
         return None
     b = _bind(node, ("input", "weight", "bias"), {"bias": None})
@@ -178,13 +129,12 @@ def match_linear(node: fx.Node, gm: fx.GraphModule) -> LinearCall | None:
 class BatchNormCall:
     node: fx.Node
     input: fx.Node
-    running_mean: TensorRef | None
-    running_var: TensorRef | None
-    weight: TensorRef | None
-    bias: TensorRef | None
+    running_mean: fx.Node | None
+    running_var: fx.Node | None
+    weight: fx.Node | None
+    bias: fx.Node | None
     training: Any  # bool, or a Node when it is computed in the graph
     eps: Any
-    module: torch.nn.Module | None = None
 
     @property
     def uses_running_stats(self) -> bool:
@@ -192,19 +142,6 @@ class BatchNormCall:
 
 
 def match_batch_norm(node: fx.Node, gm: fx.GraphModule) -> BatchNormCall | None:
-    module = call_module_target(node, gm)
-    if module is not None:
-        if not isinstance(module, _BATCH_NORM_MODULES) or type(module).forward not in _BATCH_NORM_FORWARDS \
-                or not node.args:
-            return None
-        t = node.target
-        has_stats = module.running_mean is not None
-        # An eval-mode BN without running stats normalises with batch statistics, like training.
-        training = module.training or not has_stats
-        return BatchNormCall(node, node.args[0], _attr(t, "running_mean") if has_stats else None,
-                             _attr(t, "running_var") if has_stats else None,
-                             _attr(t, "weight") if module.affine else None,
-                             _attr(t, "bias") if module.affine else None, training, module.eps, module)
     if node.op != "call_function" or node.target not in _BN_FUNCTIONS:
         return None
     b = _bind(node, _BN_FUNCTIONS[node.target], _BN_DEFAULTS)
@@ -237,27 +174,17 @@ def region_of(node: fx.Node, gm: fx.GraphModule) -> Region | None:
     return None
 
 
-def resolve(ref: TensorRef | None, gm: fx.GraphModule) -> torch.Tensor | None:
-    """The real tensor behind a module-attribute or get_attr reference (None for placeholders)."""
-    if ref is None:
+def resolve(ref: fx.Node | None, gm: fx.GraphModule) -> torch.Tensor | None:
+    """The real tensor (or module) a get_attr node fetches; None for placeholders and other nodes."""
+    if ref is None or ref.op != "get_attr":
         return None
-    qualified = ref if isinstance(ref, str) else ref.target if ref.op == "get_attr" else None
-    if qualified is None:
-        return None
-    owner, _, name = qualified.rpartition(".")
+    owner, _, name = ref.target.rpartition(".")
     return getattr(gm.get_submodule(owner), name)
 
 
-def materialize(ref: TensorRef | None, gm: fx.GraphModule) -> fx.Node | None:
-    """A graph node for `ref`, inserting a get_attr for module attributes (call inside inserting_*)."""
-    if ref is None or isinstance(ref, fx.Node):
-        return ref
-    return gm.graph.get_attr(ref)
-
-
-def is_constant(ref: TensorRef | None, constant_inputs: frozenset[str]) -> bool:
-    """True for parameters and buffers: module attributes, get_attr nodes, or parameter placeholders."""
-    if ref is None or isinstance(ref, str):
+def is_constant(ref: fx.Node | None, constant_inputs: frozenset[str]) -> bool:
+    """True for parameters and buffers: get_attr nodes, or parameter placeholders (and an absent tensor)."""
+    if ref is None:
         return True
     if not isinstance(ref, fx.Node):
         return False

@@ -4,8 +4,8 @@
 `CheckpointedRegion(body)`, registered on `gm` as submodule `name`, and calls it in their
 place. The region runs under non-reentrant `torch.utils.checkpoint.checkpoint`, which keeps
 only the region's inputs (and restores the RNG state before recomputing, so dropout draws the
-same mask). Every BatchNorm inside (an nn.BatchNorm1d/2d/3d module in either mode, `F.batch_norm`,
-`aten.batch_norm`) runs as `batch_norm_module_once` / `batch_norm_once`: as written on the
+same mask). Every BatchNorm inside (`aten.batch_norm`, `F.batch_norm`) runs as `batch_norm_once`:
+as written on the
 region's first run, and on a recomputation in train mode the same aten op on throwaway copies of
 the running statistics, so they move once per step, as without checkpointing, and checkpoint sees
 the same ops and saved tensors on both runs. With `save_counted`, a selective checkpoint policy
@@ -15,9 +15,9 @@ recomputes only the rest.
 The body's modules and tensors are the parent graph's own (not registered a second time), so
 `state_dict()` keeps the original keys. Before / after::
 
-    h = self.fc1(x);  n = self.norm(h);  g = self.act(n);  y = self.fc2(g)
+    h = aten.linear(x, w1, b1);  n = aten.layer_norm(h, ...);  g = aten.gelu(n);  y = aten.linear(g, w2, b2)
   becomes
-    h = self.fc1(x);  checkpointed_norm_to_act = self.checkpointed_norm_to_act(h);  y = self.fc2(checkpointed_norm_to_act)
+    h = aten.linear(x, w1, b1);  checkpointed_norm_to_gelu = self.checkpointed_norm_to_gelu(h);  y = aten.linear(...)
 """
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ def _save_counted_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if is_counted_op(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-BATCH_NORM_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
 BATCH_NORM_FUNCTIONS = (F.batch_norm, torch.batch_norm, torch.ops.aten.batch_norm.default)
 
 
@@ -64,21 +63,6 @@ def _statistics_this_run_updates(running_mean, running_var, run: RegionRun) -> t
         run.scratch[id(running_mean)] = (running_mean.clone(), running_var.clone())
         return running_mean, running_var
     return run.scratch[id(running_mean)]
-
-
-@graph_function(name="batch_norm", updates_stats=True)
-def batch_norm_module_once(x: torch.Tensor, bn: torch.nn.Module, run: RegionRun) -> torch.Tensor:
-    """An nn.BatchNorm1d/2d/3d in a region: the module itself on the first run and whenever it is in eval
-    mode; a recomputation in train mode normalises by batch statistics without touching the running ones.
-
-    The mode is read when the region runs, so a BN frozen at optimize time and unfrozen later (or the
-    other way round) still updates its statistics once per step."""
-    if not bn.training or bn.running_mean is None:
-        return bn(x)
-    mean, var = _statistics_this_run_updates(bn.running_mean, bn.running_var, run)
-    if run.first:
-        return bn(x)
-    return F.batch_norm(x, mean, var, bn.weight, bn.bias, True, 0.0, bn.eps)
 
 
 @graph_function(name="batch_norm", updates_stats=True)
@@ -121,14 +105,6 @@ class CheckpointedRegion(torch.nn.Module):
         return f"{kind}\n{self.body.code.strip()}"
 
 
-def batch_norm_module(node: fx.Node, gm: fx.GraphModule) -> torch.nn.Module | None:
-    """The nn.BatchNorm1d/2d/3d (exactly those types, any mode) `node` calls on one input, or None."""
-    if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
-        return None
-    module = gm.get_submodule(node.target)
-    return module if type(module) in BATCH_NORM_MODULES else None
-
-
 def functional_batch_norm_args(node: fx.Node) -> dict | None:
     """The arguments by name of an `F.batch_norm` / `torch.batch_norm` / `aten.batch_norm` call, or None."""
     if node.op != "call_function" or node.target not in BATCH_NORM_FUNCTIONS:
@@ -139,13 +115,11 @@ def functional_batch_norm_args(node: fx.Node) -> dict | None:
 
 def can_recompute_batch_norm(node: fx.Node, gm: fx.GraphModule) -> bool:
     """A BatchNorm call a region can hold with its running statistics updated once per step."""
-    return batch_norm_module(node, gm) is not None or functional_batch_norm_args(node) is not None
+    return functional_batch_norm_args(node) is not None
 
 
 def _batch_norm_once_call(body: fx.Graph, node: fx.Node, gm: fx.GraphModule, env: dict, run: fx.Node) -> fx.Node:
-    """The body's call of `node` (a BatchNorm, see can_recompute_batch_norm) as batch_norm(_module)_once."""
-    if batch_norm_module(node, gm) is not None:
-        return body.call_function(batch_norm_module_once, (env[node.args[0]], body.get_attr(node.target), run))
+    """The body's call of `node` (a BatchNorm, see can_recompute_batch_norm) as batch_norm_once."""
     a = {k: env[v] if isinstance(v, fx.Node) else v for k, v in functional_batch_norm_args(node).items()}
     return body.call_function(batch_norm_once, (a["input"], a.get("running_mean"), a.get("running_var"),
                                                 a.get("weight"), a.get("bias"), a.get("training", False),

@@ -10,9 +10,9 @@ What it rewrites::
 for Conv1d/2d/3d, ConvTranspose1d/2d/3d (whose output channels are dim 1 of the weight,
 grouped into `groups` blocks), and Linear followed by BatchNorm1d on a 2-D output; in
 torch.export's ATen form (`aten.conv2d` + `aten.batch_norm(..., training=False, ...)`, what
-`fxopt.optimize` captures), the TorchDynamo form (parameters as graph inputs) and the
-functional and `call_module` forms alike, through `fxopt.analysis.ops`. The folded layer is
-emitted in the graph's own form. A grad-mode or autocast region is a barrier: a conv inside
+`fxopt.optimize` captures) and the TorchDynamo form (`F.conv2d` / `torch.conv2d`, parameters as
+graph inputs) alike, through `fxopt.analysis.ops`. The folded layer is emitted in the graph's
+own form. A grad-mode or autocast region is a barrier: a conv inside
 one and a BN outside (or the reverse) never meet, and the pairs inside keep the region's mode.
 
 Why it is safe: an eval-mode BatchNorm with running statistics is an affine map per channel
@@ -21,8 +21,8 @@ the composition is the same convolution with scaled weights; the only difference
 rounding. Nothing is mutated: every site gets its own folded tensors, so one conv module
 called at several sites (where torch.fx's `fuse` silently reuses the first fold) stays right.
 
-Where the weights are plain constants (inference through `fxopt.optimize`, module or get_attr
-form) the folded tensors are computed once and stored on the GraphModule. Otherwise (training,
+Where the weights are plain constants (inference through `fxopt.optimize`: get_attr nodes)
+the folded tensors are computed once and stored on the GraphModule. Otherwise (training,
 parameters as graph inputs, or any graph handed on to torch.compile) the fold is emitted as graph ops
 (`folded_conv_bn_params`): in training with a frozen (eval-mode) BN, gradients still reach
 the conv weight and the BN affine parameters, and the BN input is no longer saved for backward
@@ -30,9 +30,6 @@ the conv weight and the BN affine parameters, and the BN input is no longer save
 inputs, so the fold follows later parameter updates and Inductor's freezing constant-folds it.
 
 When it refuses (reason in the report):
-  unsupported_conv      padding_mode other than zeros, or ConvTranspose called with output_size
-  module_hooks          the conv/linear or BN module has hooks (weight_norm, a feature hook) that
-                        folding would skip
   conv_has_other_users  the conv output is read by something besides the BN
   bn_training           the BN normalises with batch statistics (train mode, or no running stats)
   not_constant          a weight or statistic is computed in the graph rather than a parameter/buffer
@@ -46,9 +43,7 @@ A BN's train/eval flag is read when the pass runs, as in torch.fx's `fuse` and I
 freezing (export bakes it into `batch_norm(training=...)`). The fold records what it relies on
 as guards (`fxopt.guards`): the BN's module path in eval mode (TRAIN_MODE) and, where the
 folded tensors are precomputed, each weight and statistic keeping its value (SAME_VALUE); the
-result re-optimizes or runs the original when one no longer holds, never a stale fold. (In the
-`call_module` form, where the BN module stays in the result, the folded graph also checks its
-mode each call and raises FxoptError.)
+result re-optimizes or runs the original when one no longer holds, never a stale fold.
 """
 from __future__ import annotations
 
@@ -57,13 +52,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from .. import _torch_private
 from ..analysis.ops import (BatchNormCall, ConvCall, LinearCall, is_constant, match_batch_norm, match_conv,
-                            match_linear, materialize, resolve)
+                            match_linear, resolve)
 from ..analysis.shapes import tensor_meta
 from ..analysis.written_state import state_key, written_state
 from ..capture.naming import module_path
-from ..errors import FxoptError
 from ..graph_functions import graph_function
 from ..guards import SAME_VALUE, TRAIN_MODE, Guard
 from .base import Pass, PassContext, PassResult, model_name, site_name
@@ -71,14 +64,8 @@ from .base import Pass, PassContext, PassResult, model_name, site_name
 
 @graph_function
 def folded_conv_bn_params(weight, bias, running_mean, running_var, bn_weight, bn_bias, eps: float,
-                          transposed: bool = False, groups: int = 1, frozen_bn: torch.nn.Module | None = None):
-    """(weight, bias) of the single conv/linear that computes `conv -> batch_norm(eval)`.
-
-    `frozen_bn` is the BN module the fold assumes is in eval mode (checked each call), if there is one.
-    """
-    if frozen_bn is not None and frozen_bn.training:
-        raise FxoptError(f"{frozen_bn} was folded by fold_conv_bn in eval mode and has since been switched to "
-                         "train mode; put it back in eval mode or run fxopt.optimize again")
+                          transposed: bool = False, groups: int = 1):
+    """(weight, bias) of the single conv/linear that computes `conv -> batch_norm(eval)`."""
     scale = torch.rsqrt(running_var + eps)
     if bn_weight is not None:
         scale = scale * bn_weight
@@ -98,12 +85,6 @@ def folded_conv_bn_params(weight, bias, running_mean, running_var, bn_weight, bn
 def _refusal(gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, ctx: PassContext,
              written: set) -> tuple[str, str]:
     """(reason, detail) for leaving this layer + BN pair as it is, or ("", "") to fold it."""
-    if isinstance(layer, ConvCall) and layer.unsupported:
-        return "unsupported_conv", layer.unsupported
-    for call in (layer, bn):
-        hooks = call.module is not None and _torch_private.module_hooks(call.module)
-        if hooks:
-            return "module_hooks", f"{call.node.target} has {', '.join(hooks)} that folding would skip"
     if len(layer.node.users) > 1:
         users = ", ".join(site_name(u) for u in layer.node.users if u is not bn.node)
         return "conv_has_other_users", f"{site_name(layer.node)} is also read by {users}"
@@ -180,11 +161,8 @@ class FoldConvBN(Pass):
                 weight = self._store(gm, f"{base}_folded_weight", w)
                 bias = self._store(gm, f"{base}_folded_bias", b)
             else:
-                args = tuple(materialize(r, gm) for r in refs)
                 kwargs = {"eps": bn.eps, "transposed": transposed, "groups": groups}
-                if bn.module is not None:
-                    kwargs["frozen_bn"] = graph.get_attr(bn.node.target)
-                folded = graph.call_function(folded_conv_bn_params, args, kwargs)
+                folded = graph.call_function(folded_conv_bn_params, refs, kwargs)
                 weight = graph.call_function(operator.getitem, (folded, 0))
                 bias = graph.call_function(operator.getitem, (folded, 1))
             new = graph.call_function(*layer.call_with(weight, bias))

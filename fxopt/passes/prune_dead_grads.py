@@ -41,8 +41,7 @@ When it refuses (reason in the report):
                       recorded (the nodes around it still run without grad)
   region              a grad-mode or autocast region of an exported graph outside the loss: it runs
                       as the user wrote it (a barrier), the nodes around it run without grad
-  module_hooks        the conv/BN module has hooks, which a functional replacement would skip
-  unsupported_conv    padding_mode other than zeros, ConvTranspose with output_size, string padding
+  unsupported_conv    string padding ('same' / 'valid')
   unbatched           a conv input without a batch dimension
   mixed_dtype         a BatchNorm whose statistics and input differ in dtype (autocast, half)
   state_written       a frozen BatchNorm whose statistics or affine parameters the graph itself
@@ -69,7 +68,7 @@ import torch.fx as fx
 from .. import _torch_private
 from ..analysis.costs import estimate_saved_bytes, placeholder_values
 from ..analysis.grad_needs import GradNeeds, analyze_grad_needs, really_saved
-from ..analysis.ops import ConvCall, match_batch_norm, match_conv, materialize, region_of, resolve
+from ..analysis.ops import ConvCall, match_batch_norm, match_conv, region_of, resolve
 from ..op_names import op_name
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import removable_if_unused
@@ -233,7 +232,7 @@ class PruneDeadGrads(Pass):
         """Rewrite frozen convs and eval BatchNorms, re-analysing after each rewrite (new nodes)."""
         needs = analyze()
         for node in list(gm.graph.nodes):
-            if not needs.recorded(node) or node.op not in ("call_function", "call_module"):
+            if not needs.recorded(node) or node.op != "call_function":
                 continue
             conv = match_conv(node, gm)
             bn = match_batch_norm(node, gm) if conv is None else None
@@ -248,9 +247,6 @@ class PruneDeadGrads(Pass):
 
     @staticmethod
     def _refusal(node: fx.Node, gm: fx.GraphModule, needs: GradNeeds, input_node: fx.Node) -> tuple[str, str]:
-        module = gm.get_submodule(node.target) if node.op == "call_module" else None
-        if module is not None and _torch_private.module_hooks(module):
-            return "module_hooks", f"hooks: {', '.join(_torch_private.module_hooks(module))}"
         saved = really_saved(node, gm, needs.requires_grad)
         if saved is None or input_node not in saved.saved_inputs:
             return "no_waste", "the op keeps no copy of its input here"
@@ -268,7 +264,7 @@ class PruneDeadGrads(Pass):
             return False
         n = conv.spatial_dims
         with gm.graph.inserting_before(node):
-            args = (conv.input, materialize(conv.weight, gm), materialize(conv.bias, gm), _ntuple(conv.stride, n),
+            args = (conv.input, conv.weight, conv.bias, _ntuple(conv.stride, n),
                     _ntuple(conv.padding, n), _ntuple(conv.dilation, n), conv.transposed,
                     _ntuple(conv.output_padding, n), conv.groups)
             new = gm.graph.call_function(conv_saving_what_grads_need, args)
@@ -279,8 +275,6 @@ class PruneDeadGrads(Pass):
 
     @staticmethod
     def _conv_refusal(conv: ConvCall) -> tuple[str, str]:
-        if conv.unsupported:
-            return "unsupported_conv", conv.unsupported
         if isinstance(conv.padding, str):
             return "unsupported_conv", f"padding={conv.padding!r}"
         x = tensor_meta(conv.input)
@@ -311,7 +305,7 @@ class PruneDeadGrads(Pass):
             return False
         graph = gm.graph
         with graph.inserting_before(node):
-            refs = [materialize(r, gm) for r in (bn.running_mean, bn.running_var, bn.weight, bn.bias)]
+            refs = [bn.running_mean, bn.running_var, bn.weight, bn.bias]
             pair = graph.call_function(eval_batch_norm_scale_shift, (*refs,), {"eps": bn.eps, "ndim": x.dim()})
             scale = graph.call_function(operator.getitem, (pair, 0))
             shift = graph.call_function(operator.getitem, (pair, 1))
