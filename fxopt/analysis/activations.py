@@ -1,7 +1,7 @@
 """Recognise the ReLU family (relu, relu6, hardtanh, leaky_relu, elu, hardswish, silu) in any form.
 
-`aten.relu.default(x)` (torch.export), `nn.ReLU()` modules, `F.relu(x)` / `torch.relu(x)` calls
-and `x.relu()` methods all become one `ActivationCall` with the op's parameters, so a pass can
+`aten.relu.default(x)` (torch.export), `F.relu(x)` / `torch.relu(x)` calls and `x.relu()` methods
+(TorchDynamo) all become one `ActivationCall` with the op's parameters, so a pass can
 re-emit it in place: `aten.relu_.default(x)` in an ATen graph (the in-place overload takes the
 same arguments), `F.<kind>(x, ..., inplace=True)` otherwise.
 """
@@ -24,8 +24,6 @@ _PARAMETERS: dict[str, dict[str, Any]] = {
     "leaky_relu": {"negative_slope": 0.01},
     "elu": {"alpha": 1.0},
 }
-# The module attribute holding each functional parameter.
-_MODULE_ATTRIBUTES = {"min_val": "min_val", "max_val": "max_val", "negative_slope": "negative_slope", "alpha": "alpha"}
 
 
 @dataclasses.dataclass
@@ -45,7 +43,7 @@ class ActivationCall:
 
 
 def match_activation(node: fx.Node, gm: fx.GraphModule) -> ActivationCall | None:
-    name = op_name(node, gm) if node.op in ("call_module", "call_function", "call_method") else None
+    name = op_name(node, gm)
     if name is None or not node.args:
         return None
     inplace = name.endswith("_")
@@ -57,12 +55,6 @@ def match_activation(node: fx.Node, gm: fx.GraphModule) -> ActivationCall | None
         bound = _torch_private.bind_aten_arguments(node.target, node.args, node.kwargs)  # self, then parameters
         x = bound.pop("self")
         return ActivationCall(node, x, kind, bound, inplace, aten=True)
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        if isinstance(module, torch.nn.ReLU6):  # a Hardtanh(0, 6) computed by F.relu6's kernel
-            return ActivationCall(node, node.args[0], "relu6", {}, inplace)
-        params = {p: getattr(module, _MODULE_ATTRIBUTES[p]) for p in defaults}
-        return ActivationCall(node, node.args[0], kind, params, inplace)
     if node.op == "call_method" or node.target is not getattr(F, kind, None):
         # torch.relu(x), torch.relu_(x), x.relu(): no parameters
         return ActivationCall(node, node.args[0], kind, dict(defaults), inplace) if not defaults else None

@@ -7,8 +7,8 @@ activation overwrite its input? may relu save a mask instead of its output?), an
 (what does a region keep alive?).
 
 The table is keyed by op name, the same for every form a graph holds an op in (`fxopt.op_names.op_name`):
-`aten.relu.default` (torch.export), `nn.ReLU` modules, `F.relu` / `torch.relu` calls and
-`x.relu()` methods are all "relu". fxopt's own graph helpers declare what they keep (`fxopt.graph_functions`: `saves`, or a `name` this
+`aten.relu.default` (torch.export), `F.relu` / `torch.relu` calls and `x.relu()` methods
+(TorchDynamo) are all "relu"; a module call has no name, so it is not in the table. fxopt's own graph helpers declare what they keep (`fxopt.graph_functions`: `saves`, or a `name` this
 table knows). An ATen op whose schema says it returns a view of an argument
 (`aten.slice`, `aten.alias`, ...) keeps nothing, like the views listed here.
 Entries are what autograd saves when every tensor input requires grad (checked against
@@ -62,8 +62,6 @@ def _dropout_mask(node: fx.Node) -> int:
 
 
 def _dropout_p(node: fx.Node):
-    if node.op == "call_module":
-        return node.graph.owning_module.get_submodule(node.target).p
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
 
 
@@ -147,12 +145,10 @@ def is_known_op(node: fx.Node, gm: fx.GraphModule) -> bool:
 
 
 def dropout_training(node: fx.Node) -> bool:
-    """Whether a dropout node draws a mask: module in train mode, or `training`/`train` not False.
+    """Whether a dropout node draws a mask: its `training`/`train` flag is not False.
 
     Assumes `node` is a dropout (op_name == "dropout"); a flag computed in the graph counts as training.
     """
-    if node.op == "call_module":
-        return node.graph.owning_module.get_submodule(node.target).training
     flag = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
     return flag is not False
 

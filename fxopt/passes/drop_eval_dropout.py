@@ -11,10 +11,8 @@ gradient and no RNG stream. Removing it also lets a following pass see the real 
 tensor (inplace_relu can then run a ReLU before it in place).
 
 What it leaves alone: every dropout that may draw a mask (a `train` flag that is True or
-computed in the graph). An `nn.Dropout` module called from the graph (module form) is removed
-only in inference mode: in training its mode may change between calls. torch.export bakes each
-dropout's flag into the graph and capture guards the module's mode, so an exported graph never
-holds a stale flag.
+computed in the graph). torch.export bakes each dropout's flag into the graph and capture guards
+the module's mode, so an exported graph never holds a stale flag; Dynamo guards it likewise.
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ import torch.fx as fx
 
 from ..analysis.saved_tensors import dropout_training
 from ..op_names import op_name
-from .base import TRAINING, Pass, PassContext, PassResult, site_name
+from .base import Pass, PassContext, PassResult, site_name
 
 
 class DropEvalDropout(Pass):
@@ -33,8 +31,6 @@ class DropEvalDropout(Pass):
         result = PassResult()
         for node in list(gm.graph.nodes):
             if op_name(node, gm) != "dropout" or dropout_training(node) or not node.args:
-                continue
-            if node.op == "call_module" and ctx.mode == TRAINING:
                 continue
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)

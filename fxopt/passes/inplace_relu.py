@@ -8,7 +8,7 @@ What it rewrites::
 
 for relu and the family relu6, hardtanh, leaky_relu, elu, hardswish, silu
 (`fxopt.analysis.activations`): ATen overloads (torch.export) become their in-place overloads
-(`aten.relu_`), other forms (`F.relu`, `nn.ReLU`, `x.relu()`) `F.<kind>(..., inplace=True)`.
+(`aten.relu_`), torch functions and methods (`F.relu`, `x.relu()`) `F.<kind>(..., inplace=True)`.
 Eval-mode dropouts are removed before it, by `drop_eval_dropout`. Nothing inside a grad-mode or
 autocast region is rewritten, and a tensor such a region reads is never written (the region is an
 unknown op).
