@@ -59,12 +59,10 @@ def bound_argument(fn, args: tuple, kwargs: dict, name: str, default):
 
 def is_inplace_call(target, args: tuple = (), kwargs: dict | None = None) -> bool:
     """A call that writes into its first input: its name says so (`is_inplace_op`), or its `inplace`
-    argument (a function) or attribute (a module) is not False (computed in the graph counts as True).
+    argument is not False (computed in the graph counts as True).
 
-    `target` is a function, a method name or a module.
+    `target` is a function or a method name.
     """
-    if isinstance(target, torch.nn.Module):
-        return getattr(target, "inplace", False) is not False
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     if is_inplace_op(name):
         return True

@@ -15,7 +15,8 @@ updates its running statistics. `effects(node, gm)` names every effect a node ma
   IO        is seen from outside: `print`, asserts and checks (`torch._assert`, fx's `_assert_is_none`
             guarding a traced-away argument, `torch._check*`), hooks on the module, ops torch
             marks effectful
-  OPAQUE    runs code we cannot see: modules outside torch.nn, user functions, overridden forwards
+  OPAQUE    runs code we cannot see: module calls (an opaque module, a region fxopt made), user
+            functions
 
 An ATen op's effects come from its schema (mutable arguments, `nondeterministic_seeded`), except
 where the schema is wrong about it (batch_norm's statistics; dropout with `train=False` draws
@@ -60,8 +61,6 @@ _PURE_NAMESPACES = (operator, math)
 # ATen ops that draw random numbers only when their `train` argument (index) is true.
 _ATEN_DROPOUTS = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2,
                   "native_dropout": 2}
-_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
-                    torch.nn.FeatureAlphaDropout, torch.nn.RReLU)
 
 
 def _is_torch_callable(fn) -> bool:
@@ -152,18 +151,8 @@ def _method_effects(name: str, kwargs: dict) -> frozenset[str]:
 
 
 def _module_effects(module: torch.nn.Module) -> frozenset[str]:
-    if _torch_private.module_hooks(module):
-        return frozenset({IO})
-    if not type(module).__module__.startswith("torch.nn.") or isinstance(module, fx.GraphModule):
-        return frozenset({OPAQUE})
-    kinds = set()
-    if is_inplace_call(module):
-        kinds.add(MUTATION)
-    if module.training and (isinstance(module, _DROPOUT_MODULES) or getattr(module, "dropout", 0) not in (0, 0.0)):
-        kinds.add(RNG)
-    if module.training and getattr(module, "track_running_stats", False) and module.running_mean is not None:
-        kinds.add(STATS)
-    return frozenset(kinds)
+    """A module call (an opaque module, a region fxopt made) runs code we do not read: OPAQUE, and IO with hooks."""
+    return frozenset({OPAQUE, IO}) if _torch_private.module_hooks(module) else frozenset({OPAQUE})
 
 
 def _wrapped_effects(kind: str, target, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
