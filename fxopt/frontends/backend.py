@@ -8,7 +8,9 @@ Dynamo hands a backend one graph per captured region (a graph break gives severa
 optimizer splits at bucket boundaries). Each graph goes the way of `fxopt.optimize`
 (fxopt/pipeline/run.py), with the passes `build_pipeline` chooses, in the Dynamo form: no
 `call_module`, parameters and buffers are graph inputs (`torch.conv2d(x, weight_placeholder,
-...)`), named in `PassContext.constant_inputs`. Mode: "training" when autograd will differentiate
+...)`), named in `PassContext.constant_inputs`. (torch 2.6-2.12 with Dynamo's
+`inline_inbuilt_nn_modules=False` still give nn layers as `call_module` nodes: the passes treat
+each as an opaque module and leave it as it is.) Mode: "training" when autograd will differentiate
 the graph (grad enabled and an input requires grad), else "inference".
 
 What the passes know of this path (`PassContext`), and so do themselves:
