@@ -272,19 +272,6 @@ class OneBNManyConvs(nn.Module):
         return self.bn(self.conv_a(x)) + self.bn(self.conv_b(x))
 
 
-@pytest.mark.parametrize("mode", ["inference", "training"])
-def test_one_bn_after_several_convs_folds_into_each(mode):
-    """One BN module called after two different convs folds into both."""
-    torch.manual_seed(0)
-    model = randomize(OneBNManyConvs())
-    freeze_bn(model) if mode == "training" else model.eval()
-    inputs = (torch.randn(BATCH, 4, 6, 6),)
-    optimized = fold(model, inputs, mode)
-    assert stats(optimized) == {"folded": 2}
-    assert "aten.batch_norm" not in code(optimized)
-    assert_same_step(model, optimized, inputs, training=mode == "training")
-
-
 class SharedConv(nn.Module):
     """One conv module, two call sites, two different BNs (pytorch issue 104593)."""
 
@@ -298,17 +285,19 @@ class SharedConv(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["inference", "training"])
-def test_shared_conv_gets_a_fold_per_site_and_is_not_mutated(mode):
-    """Each site of a shared conv gets its own folded tensors (torch.fx's fuse reuses the first fold here)."""
+@pytest.mark.parametrize("make, shape", [(OneBNManyConvs, (4, 6, 6)), (SharedConv, (3, 8, 8))],
+                         ids=["one_bn_after_two_convs", "shared_conv"])
+def test_each_site_gets_its_own_fold_and_nothing_is_mutated(make, shape, mode):
+    """One BN after two convs folds into both, and each site of a shared conv gets its own folded tensors (torch.fx's fuse reuses the first fold there); the caller's tensors stay as they were."""
     torch.manual_seed(0)
-    model = randomize(SharedConv())
+    model = randomize(make())
     freeze_bn(model) if mode == "training" else model.eval()
-    inputs = (torch.randn(BATCH, 3, 8, 8),)
-    snapshot = state_snapshot(model)
-    weight = model.conv.weight
+    inputs = (torch.randn(BATCH, *shape),)
+    snapshot, params = state_snapshot(model), list(model.parameters())
     optimized = fold(model, inputs, mode)
     assert stats(optimized) == {"folded": 2}
-    assert model.conv.weight is weight
+    assert "aten.batch_norm" not in code(optimized)
+    assert all(p is q for p, q in zip(model.parameters(), params))
     assert_state_unchanged(model, snapshot)
     assert_same_step(model, optimized, inputs, training=mode == "training")
 
