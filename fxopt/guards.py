@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
+from itertools import repeat
 from operator import attrgetter, is_
 from typing import Any
 
@@ -228,7 +229,12 @@ class BoundGuards:
         self._params = [self._tensor(g.target) for g in by_kind[REQUIRES_GRAD]]
         # A target the model no longer has fails every call (its stand-in's flag is neither True nor False).
         self._unresolved = any(isinstance(x, _Unresolvable) for x in (*self._modules, *self._params))
-        self._train_modules, self._eval_modules = _split_by_flag(self._modules, by_kind[TRAIN_MODE])
+        # `training` read straight from a module's __dict__ where that is where Python finds it (3x faster)
+        train, evaluating = _split_by_flag(self._modules, by_kind[TRAIN_MODE])
+        self._train_dicts = [vars(m) for m in train if _training_in_dict(m)]
+        self._eval_dicts = [vars(m) for m in evaluating if _training_in_dict(m)]
+        self._train_modules = [m for m in train if not _training_in_dict(m)]
+        self._eval_modules = [m for m in evaluating if not _training_in_dict(m)]
         self._grad_params, self._frozen_params = _split_by_flag(self._params, by_kind[REQUIRES_GRAD])
         self._hook_dicts_per_guard = [_hook_dicts(None if g.target == GLOBAL_HOOKS else self._module(g.target))
                                       for g in by_kind[HOOKS]]
@@ -288,6 +294,9 @@ class BoundGuards:
     def first_failure(self, args: tuple = (), kwargs: dict | None = None) -> Guard | None:
         """None if every guard holds for this call, else the first one that does not."""
         if (not self._unresolved
+                # truthiness, as a module's own `if self.training:` reads it
+                and not any(map(dict.get, self._eval_dicts, repeat("training")))
+                and all(map(dict.get, self._train_dicts, repeat("training")))
                 and not any(map(_training, self._eval_modules)) and all(map(_training, self._train_modules))
                 and not any(map(_requires_grad, self._frozen_params)) and all(map(_requires_grad, self._grad_params))
                 and not any(self._hooks_empty)
@@ -345,6 +354,13 @@ def _split_by_flag(objects: list, guards: list[Guard]) -> tuple[list, list]:
     """(the objects whose guard expects True, those whose guard expects False)."""
     return ([o for o, g in zip(objects, guards) if g.expected is True],
             [o for o, g in zip(objects, guards) if g.expected is not True])
+
+
+def _training_in_dict(module) -> bool:
+    """Whether `module.training` is the entry of its instance __dict__ (no class-level data descriptor
+    such as a property takes precedence over it)."""
+    return "training" in getattr(module, "__dict__", {}) and not hasattr(
+        type(getattr(type(module), "training", None)), "__set__")
 
 
 def _resolve_tensor_safe(model: torch.nn.Module, name: str) -> tuple[dict, str]:

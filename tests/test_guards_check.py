@@ -185,3 +185,25 @@ def test_remembered_calls_are_bounded_and_not_pickled():
     again = pickle.loads(pickle.dumps(s))
     assert again._accepted == set() and again == s
     assert again.mismatch((torch.randn(3),), {}) is None and again.mismatch((torch.randn(1),), {}) is not None
+
+
+class FlagProperty(nn.Linear):
+    """A module whose `training` is a class-level property: Python never reads the instance __dict__ for it."""
+
+    @property
+    def training(self):
+        return self.__dict__["_flag"]
+
+    @training.setter
+    def training(self, mode):
+        self.__dict__["_flag"] = mode
+
+
+def test_a_training_property_is_read_through_the_property():
+    """A module whose `training` is a property (even with a stale `training` key in its __dict__) is still checked."""
+    model = nn.Sequential(FlagProperty(3, 3)).eval()
+    vars(model[0])["training"] = False  # what Python does not read: the property takes precedence
+    checked = GuardSet(model_state_guards(model, "test")).bind(model)
+    assert checked.first_failure((), {}) is None
+    model[0].train()
+    assert checked.first_failure((), {}).kind == TRAIN_MODE
