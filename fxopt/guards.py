@@ -17,7 +17,9 @@ Kinds (what `expected` holds):
   TRAIN_MODE     module path     -> bool: `module.training`
   REQUIRES_GRAD  parameter name  -> bool: `p.requires_grad`
   HOOKS          module path     -> the hook ids per kind (forward-pre, forward, backward-pre, backward)
-                 at record time, usually all empty; target GLOBAL_HOOKS: torch's global module hooks
+                 at record time, usually all empty; target GLOBAL_HOOKS: torch's global module hooks.
+                 Empty dicts are re-read only after torch made a hook handle: a hook registered through
+                 torch's API is always seen, one written straight into a module's private dict is not
   MODULE         module path     -> class name: the same module object, of the same class, sits at the path
                  (catches a replaced layer, `torch.nn.utils.parametrize`, old-style weight_norm's class change)
   SAME_OBJECT    param/buffer    -> None: the same tensor object is registered under that name
@@ -246,6 +248,7 @@ class BoundGuards:
                     self._hooks_kept_expected.append(ids)
                 else:
                     self._hooks_empty.append(d)
+        self._hook_handles_seen = -1  # torch's hook-handle count when the empty hook dicts were last found empty
         slots = [_module_slot(model, g.target) for g in by_kind[MODULE]]
         self._slot_dicts = [slot for slot, _ in slots]
         self._slot_keys = [key for _, key in slots]
@@ -299,7 +302,7 @@ class BoundGuards:
                 and all(map(dict.get, self._train_dicts, repeat("training")))
                 and not any(map(_training, self._eval_modules)) and all(map(_training, self._train_modules))
                 and not any(map(_requires_grad, self._frozen_params)) and all(map(_requires_grad, self._grad_params))
-                and not any(self._hooks_empty)
+                and self._no_hooks_added()
                 and list(map(tuple, self._hooks_kept)) == self._hooks_kept_expected
                 and all(map(is_, map(dict.get, self._slot_dicts, self._slot_keys), self._slot_modules))
                 and all(map(is_, map(type, self._slot_modules), self._slot_types))
@@ -310,6 +313,18 @@ class BoundGuards:
                 and all(spec.mismatch(args, kwargs or {}) is None for spec in self._calls)):
             return None
         return self._find_failure(args, kwargs or {})
+
+    def _no_hooks_added(self) -> bool:
+        """Whether every hook dict that was empty when bound still is. Each registration through torch's hook
+        API makes a handle first: while no handle was made since the dicts were last found empty, they still
+        are, and the dicts (four per module) are not read."""
+        made = _torch_private.hook_handles_made()
+        if made == self._hook_handles_seen:
+            return True
+        if any(self._hooks_empty):
+            return False
+        self._hook_handles_seen = made  # read before the dicts: a handle made meanwhile is seen next call
+        return True
 
     def untrue_now(self) -> list[Guard]:
         """Guards, other than call checks, that do not hold on the model right now (for the state a

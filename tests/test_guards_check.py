@@ -207,3 +207,18 @@ def test_a_training_property_is_read_through_the_property():
     assert checked.first_failure((), {}) is None
     model[0].train()
     assert checked.first_failure((), {}).kind == TRAIN_MODE
+
+
+def test_hook_dicts_are_read_again_after_any_hook_handle():
+    """A hook handle made anywhere (here a tensor hook) makes the next check read the hook dicts; none added: it holds."""
+    model = net()
+    checked = bound(model)
+    assert checked.first_failure((X,), {}) is None
+    handle = torch.zeros(1, requires_grad=True).register_hook(lambda g: g)
+    assert checked.first_failure((X,), {}) is None
+    assert checked._hook_handles_seen == _torch_private.hook_handles_made()
+    handle.remove()
+    hook = model[1].register_forward_pre_hook(lambda *a: None)
+    assert checked.first_failure((X,), {}).kind == HOOKS
+    hook.remove()
+    assert checked.first_failure((X,), {}) is None
