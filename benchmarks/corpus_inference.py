@@ -3,16 +3,23 @@ torch.fx `fuse`, `torch.jit.freeze`, Inductor and Inductor + freezing, side by s
 
     python benchmarks/corpus_inference.py --models ResNet,BERT --size tiny --batch 2 --rounds 5
     python benchmarks/corpus_inference.py --device cuda --dtype float16 --size real --batch 64 --models ResNet
+    python benchmarks/corpus_inference.py --eager-path --models ViT,BERT,GPT-2,ResNet,ConvNeXt,MobileNetV2 --rounds 150
 
 Each variant is built from its own deep copy of one eval-mode model; the table gives the median
 latency (CUDA events on CUDA; variants called round-robin), the speed-up over eager, the time to prepare the variant (build +
 first call: a compiler's cold start) and the largest output difference relative to the largest
 output magnitude. A variant that cannot take a model is listed with its reason.
+
+`--eager-path` times only fxopt's eager path, each model called as users call it (its
+ModelOutput returned): eager, the `fxopt.optimize` result (guard check + graph), and the
+result's bare optimized graph (`result.graph_module`, no guard check), with their ratios to
+eager: what the per-call guard check costs on top of the graph.
 """
 from __future__ import annotations
 
 import copy
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -106,9 +113,44 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     return rows
 
 
+def rotated_rounds_ms(fns: dict[str, Callable[[], object]], device, rounds: int, warmup: int) -> dict[str, float]:
+    """Median ms of each callable over rounds that call every one once, the order rotated each round: the fxopt
+    result and its own graph share their tensors, so whichever runs right after the other finds them in cache."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(warmup + rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            ms = dev.time_ms(fns[name], device)
+            if round_ >= warmup:
+                times[name].append(ms)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_eager_path(name: str, args, device, dtype) -> list[dict]:
+    """Eager, the fxopt result and its bare graph on one model called as users call it, interleaved."""
+    model, inputs = build(name, size=args.size, batch=args.batch, dtype=dtype)
+    model, inputs = model.to(device).eval(), tuple(x.to(device) for x in inputs)
+    result = fxopt.optimize(copy.deepcopy(model), inputs, mode="inference")
+    graph = result.graph_module
+    runs = {"eager": lambda: model(*inputs), "fxopt": lambda: result(*inputs), "graph": lambda: graph(*inputs)}
+    with torch.no_grad():
+        medians = rotated_rounds_ms(runs, device, args.rounds, warmup=3)
+    if result.fxopt_report.guard_events:
+        raise SystemExit(f"{name}: a guard failed during timing: {dict(result.fxopt_report.guard_events)}")
+    eager = medians["eager"]
+    return [{"model": name, "eager ms": eager, "fxopt ms": medians["fxopt"], "graph ms": medians["graph"],
+             "fxopt vs eager": eager / medians["fxopt"], "graph vs eager": eager / medians["graph"],
+             "guard µs": 1e3 * (medians["fxopt"] - medians["graph"])}]
+
+
 def main(argv=None) -> list[dict]:
     p = corpus_cli.parser(__doc__, rounds=5, no_compile_help="skip the torch.compile variants")
+    p.add_argument("--eager-path", action="store_true",
+                   help="only eager, the fxopt.optimize result and its bare graph (the per-call guard check's cost)")
     args = p.parse_args(argv)
+    if args.eager_path:
+        return corpus_cli.run(args, bench_eager_path, "eager-path inference (result called as the model)")
     return corpus_cli.run(args, bench_model, "inference")
 
 

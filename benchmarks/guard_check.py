@@ -1,11 +1,16 @@
 """Cost of fxopt's per-call guard check, against the forward it guards (issue #11 target: < 2%).
 
-Builds Hugging Face ResNet-50 from its config (random weights), binds the guards an optimized
-result checks on every call (fxopt.guards.model_state_guards: every module's mode, class and
-hooks, every parameter's identity and requires_grad; with --values, as an inference result,
-also every parameter's and buffer's identity, storage and version), and times
-`first_failure()` against the model's eager forward at batch 1. Also a 100-module
-Conv-BN-ReLU stack. Medians of interleaved rounds, in one process.
+Builds Hugging Face ResNet-50 from its config (random weights) and a 100-module Conv-BN-ReLU
+stack, and times at batch 1 what a result does on every call besides running its graph:
+`first_failure()` of the guards, then `note_own_writes()`.
+
+  - training: the guards on the model's state a training result checks
+    (fxopt.guards.model_state_guards: every module's mode, class and hooks, every parameter's
+    requires_grad, every parameter's and buffer's identity);
+  - inference: the guards of a real `fxopt.optimize(model, x, mode="inference")` result
+    (the same, plus capture's call check and the values fold_conv_bn baked in).
+
+One torch thread; medians of rounds of the calling thread's CPU time, in one process.
 
     python benchmarks/guard_check.py [--rounds 15]
 """
@@ -14,20 +19,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn as nn
 
+import fxopt
 from fxopt.guards import GuardSet, model_state_guards
 
 
 def median_seconds(fn, number: int, rounds: int) -> float:
     times = []
     for _ in range(rounds):
-        start = time.perf_counter()
+        start = time.thread_time()
         for _ in range(number):
             fn()
-        times.append((time.perf_counter() - start) / number)
+        times.append((time.thread_time() - start) / number)
     return statistics.median(times)
 
 
@@ -40,6 +47,15 @@ def resnet50() -> nn.Module:
 def stack() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
                            for _ in range(33)]).eval()
+
+
+def bound_guards(model: nn.Module, x: torch.Tensor, kind: str):
+    if kind == "training":
+        return GuardSet(model_state_guards(model, "benchmark")).bind(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = fxopt.optimize(model, x, mode="inference")
+    return result.variants[0].bound
 
 
 def main() -> None:
@@ -55,13 +71,17 @@ def main() -> None:
         with torch.no_grad():
             model(x)
             forward = median_seconds(lambda: model(x), 1, args.rounds)
-        for values in (False, True):
-            guards = GuardSet(model_state_guards(model, "benchmark", values=values))
-            bound = guards.bind(model)
+        for kind in ("training", "inference"):
+            bound = bound_guards(model, x, kind)
             assert bound.first_failure((x,), {}) is None
-            check = median_seconds(lambda: bound.first_failure((x,), {}), 200, args.rounds)
-            rows.append((name, modules, tensors, len(guards), "training" if not values else "inference",
-                         check * 1e6, forward * 1e3, 100 * check / forward))
+
+            def per_call(bound=bound):
+                bound.first_failure((x,), {})
+                bound.note_own_writes()
+
+            check = median_seconds(per_call, 200, args.rounds)
+            rows.append((name, modules, tensors, len(bound.guards), kind, check * 1e6, forward * 1e3,
+                         100 * check / forward))
     print(f"{'model':18} {'modules':>7} {'tensors':>7} {'guards':>6} {'result':>9} {'check µs':>9} "
           f"{'forward ms':>10} {'check/forward':>13}")
     for name, modules, tensors, count, kind, check_us, forward_ms, percent in rows:

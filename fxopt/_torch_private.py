@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 
 def fake_tensor_mode():
@@ -331,6 +332,12 @@ def has_storage_bytes(t: torch.Tensor) -> bool:
 def tensor_version(t: torch.Tensor) -> int:
     """A tensor's version counter (bumped by every in-place change through autograd-visible ops)."""
     return t._version
+
+
+def hook_handles_made() -> int:
+    """How many hook handles torch has made so far in this process: every public hook registration
+    (module, global module, tensor, autograd node hooks) makes one (`RemovableHandle.next_id`)."""
+    return RemovableHandle.next_id
 
 
 def global_module_hook_dicts() -> list[dict]:

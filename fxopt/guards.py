@@ -7,8 +7,9 @@ sees it), the value relied on, who relies on it (`owner`: "capture" or a pass na
     ctx.guards.add(Guard(TRAIN_MODE, "layer1.0.bn1", False, "fold_conv_bn", "folded into layer1.0.conv1"))
 
 The optimized result binds its `GuardSet` to the model it stands for (`bind(model)`): paths
-are resolved once into the objects to read, grouped by kind, so a call checks a few flat
-lists (`[m.training for m in modules] == expected`, microseconds for hundreds of modules).
+are resolved once into the objects to read, grouped by kind and by expected value, so a call
+runs a few C-level loops over flat lists (`not any(map(training, eval_modules))`, microseconds
+for hundreds of modules).
 `BoundGuards.first_failure(args, kwargs)` returns None, or the first guard that no longer
 holds, so the result can say which assumption changed.
 
@@ -16,11 +17,18 @@ Kinds (what `expected` holds):
   TRAIN_MODE     module path     -> bool: `module.training`
   REQUIRES_GRAD  parameter name  -> bool: `p.requires_grad`
   HOOKS          module path     -> the hook ids per kind (forward-pre, forward, backward-pre, backward)
-                 at record time, usually all empty; target GLOBAL_HOOKS: torch's global module hooks
+                 at record time, usually all empty; target GLOBAL_HOOKS: torch's global module hooks.
+                 Empty dicts are re-read only after torch made a hook handle: a hook registered through
+                 torch's API is always seen, one written straight into a module's private dict is not
   MODULE         module path     -> class name: the same module object, of the same class, sits at the path
                  (catches a replaced layer, `torch.nn.utils.parametrize`, old-style weight_norm's class change)
   SAME_OBJECT    param/buffer    -> None: the same tensor object is registered under that name
-                 (catches `torch.nn.utils.prune`, `module.weight = nn.Parameter(...)`)
+                 (catches `torch.nn.utils.prune`, `module.weight = nn.Parameter(...)`, a replaced
+                 buffer; the graph reads the model's own tensor objects, so writes into them need
+                 no guard)
+  SAME_STORAGE   param/buffer    -> None: the same object over the same storage as when bound (export
+                 specialized the graph to its shape and dtype, which `p.data = t` may change; catches
+                 that without bumping a version; writes into the storage need no guard)
   SAME_VALUE     param/buffer    -> None: the same object with the same storage and version as when
                  bound (a value baked into the graph; catches `copy_`, optimizer steps, `load_state_dict`,
                  `p.data = t`; NOT `p.data.mul_()`, which bumps no version counter)
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
+from itertools import repeat
 from operator import attrgetter, is_
 from typing import Any
 
@@ -43,9 +52,10 @@ REQUIRES_GRAD = "requires_grad"
 HOOKS = "hooks"
 MODULE = "module"
 SAME_OBJECT = "same_object"
+SAME_STORAGE = "same_storage"
 SAME_VALUE = "same_value"
 CALL = "call"
-KINDS = (TRAIN_MODE, REQUIRES_GRAD, HOOKS, MODULE, SAME_OBJECT, SAME_VALUE, CALL)
+KINDS = (TRAIN_MODE, REQUIRES_GRAD, HOOKS, MODULE, SAME_OBJECT, SAME_STORAGE, SAME_VALUE, CALL)
 
 NO_HOOKS = ((), (), (), ())
 GLOBAL_HOOKS = "<global>"  # the HOOKS target for torch's global module hooks
@@ -79,6 +89,8 @@ class Guard:
             return f"{where} is the same {self.expected} module"
         if self.kind == SAME_OBJECT:
             return f"{self.target} is the same tensor object"
+        if self.kind == SAME_STORAGE:
+            return f"{self.target} is the same tensor over the same storage"
         if self.kind == SAME_VALUE:
             return f"{self.target} keeps its value (same tensor, storage and version)"
         return f"calls like the example ({self.expected.describe()})"
@@ -132,14 +144,18 @@ STATE_REASONS = {
     HOOKS: "hooks added later would not run inside the graph",
     REQUIRES_GRAD: "passes decided what keeps a gradient from requires_grad",
     SAME_OBJECT: "the graph reads this tensor object",
-    SAME_VALUE: "inference passes may bake its value into the graph (folded weights)",
+    SAME_STORAGE: "the graph reads this tensor object, specialized to its shape and dtype",
 }
 
 
-def model_state_guards(model: torch.nn.Module, owner: str, *, values: bool = False) -> list[Guard]:
+def model_state_guards(model: torch.nn.Module, owner: str, *, storage: bool = False) -> list[Guard]:
     """Guards on the whole state of `model` as it is now: every module's mode, class and hooks,
-    every parameter's identity and `requires_grad`, and with `values` every parameter's and
-    buffer's value (for a graph that baked them in). Reasons: STATE_REASONS."""
+    every parameter's `requires_grad`, every parameter's and buffer's identity, and with `storage`
+    their storage too (SAME_STORAGE instead of SAME_OBJECT). Not their values: the graph reads the
+    model's tensors, so a write into one is what the model computes next too; a pass that bakes a
+    value into the graph guards that value itself (SAME_VALUE). Reasons: STATE_REASONS."""
+    same = SAME_STORAGE if storage else SAME_OBJECT
+
     def guard(kind, target, expected):
         return Guard(kind, target, expected, owner, STATE_REASONS[kind])
 
@@ -148,9 +164,8 @@ def model_state_guards(model: torch.nn.Module, owner: str, *, values: bool = Fal
         guards += [guard(TRAIN_MODE, path, module.training), guard(MODULE, path, type(module).__qualname__),
                    guard(HOOKS, path, _hook_ids(module))]
     for name, p in model.named_parameters(remove_duplicate=False):
-        guards += [guard(REQUIRES_GRAD, name, p.requires_grad), guard(SAME_VALUE if values else SAME_OBJECT, name, None)]
-    if values:
-        guards += [guard(SAME_VALUE, name, None) for name, _ in model.named_buffers(remove_duplicate=False)]
+        guards += [guard(REQUIRES_GRAD, name, p.requires_grad), guard(same, name, None)]
+    guards += [guard(same, name, None) for name, _ in model.named_buffers(remove_duplicate=False)]
     return guards
 
 
@@ -200,8 +215,9 @@ class _Unresolvable:
 class BoundGuards:
     """Guards resolved against one model: `first_failure()` is the per-call check.
 
-    Each kind becomes one flat list of objects to read and one list of expected values, so a
-    call compares a handful of lists. Only on a mismatch does it look for which guard failed.
+    Each kind becomes flat lists of objects to read, split by expected value where it is a flag
+    (`not any(map(training, eval_modules))`: no list built, no comparison per element), so a call
+    runs a handful of C-level loops. Only on a mismatch does it look for which guard failed.
     """
 
     def __init__(self, guards: list[Guard], model: torch.nn.Module):
@@ -212,9 +228,16 @@ class BoundGuards:
             by_kind[g.kind].append(g)
         self._by_kind = by_kind
         self._modules = [self._module(g.target) for g in by_kind[TRAIN_MODE]]
-        self._training = [g.expected for g in by_kind[TRAIN_MODE]]
         self._params = [self._tensor(g.target) for g in by_kind[REQUIRES_GRAD]]
-        self._requires_grad = [g.expected for g in by_kind[REQUIRES_GRAD]]
+        # A target the model no longer has fails every call (its stand-in's flag is neither True nor False).
+        self._unresolved = any(isinstance(x, _Unresolvable) for x in (*self._modules, *self._params))
+        # `training` read straight from a module's __dict__ where that is where Python finds it (3x faster)
+        train, evaluating = _split_by_flag(self._modules, by_kind[TRAIN_MODE])
+        self._train_dicts = [vars(m) for m in train if _training_in_dict(m)]
+        self._eval_dicts = [vars(m) for m in evaluating if _training_in_dict(m)]
+        self._train_modules = [m for m in train if not _training_in_dict(m)]
+        self._eval_modules = [m for m in evaluating if not _training_in_dict(m)]
+        self._grad_params, self._frozen_params = _split_by_flag(self._params, by_kind[REQUIRES_GRAD])
         self._hook_dicts_per_guard = [_hook_dicts(None if g.target == GLOBAL_HOOKS else self._module(g.target))
                                       for g in by_kind[HOOKS]]
         self._hooks_empty, self._hooks_kept, self._hooks_kept_expected = [], [], []
@@ -225,18 +248,21 @@ class BoundGuards:
                     self._hooks_kept_expected.append(ids)
                 else:
                     self._hooks_empty.append(d)
+        self._hook_handles_seen = -1  # torch's hook-handle count when the empty hook dicts were last found empty
         slots = [_module_slot(model, g.target) for g in by_kind[MODULE]]
         self._slot_dicts = [slot for slot, _ in slots]
         self._slot_keys = [key for _, key in slots]
         self._slot_modules = list(map(dict.get, self._slot_dicts, self._slot_keys))
         self._slot_types = [type(m) for m in self._slot_modules]
-        objects = [_resolve_tensor_safe(model, g.target) for g in by_kind[SAME_OBJECT]]
-        self._object_holders = [holder for holder, _ in objects]
-        self._object_keys = [key for _, key in objects]
-        self._object_expected = list(map(dict.get, self._object_holders, self._object_keys))
-        values = [_resolve_tensor_safe(model, g.target) for g in by_kind[SAME_VALUE]]
-        self._value_holders = [holder for holder, _ in values]
-        self._value_keys = [key for _, key in values]
+        # Each tensor a SAME_OBJECT, SAME_STORAGE or SAME_VALUE guard names is looked up once per call.
+        identity = {g.target: _resolve_tensor_safe(model, g.target)
+                    for kind in (SAME_OBJECT, SAME_STORAGE, SAME_VALUE) for g in by_kind[kind]}
+        self._tensor_targets = list(identity)
+        self._tensor_holders = [holder for holder, _ in identity.values()]
+        self._tensor_keys = [key for _, key in identity.values()]
+        self._storage_targets = list(dict.fromkeys(g.target for kind in (SAME_STORAGE, SAME_VALUE)
+                                                   for g in by_kind[kind]))
+        self._value_targets = [g.target for g in by_kind[SAME_VALUE]]
         self._calls = [g.expected for g in by_kind[CALL]]
         self.refresh_values()
 
@@ -255,33 +281,50 @@ class BoundGuards:
         """After a call of the guarded graph: its own in-place writes (a counter buffer it
         increments) are part of what it computes, not a change by the user. Only versions move."""
         if self._value_tensors:
-            self._value_versions = list(map(_torch_private.tensor_version, self._value_tensors))
+            self._value_versions = _torch_private.tensor_versions(self._value_tensors)
 
     def refresh_values(self) -> None:
-        """Record the current object, storage and version of every SAME_VALUE tensor."""
-        self._value_tensors = [t if t is not None else _Unresolvable()
-                               for t in map(dict.get, self._value_holders, self._value_keys)]
-        self._value_versions = list(map(_torch_private.tensor_version, self._value_tensors))
-        self._value_pointers = list(map(_data_pointer, self._value_tensors))
-
-    def _values_unchanged(self) -> bool:
-        return (all(map(is_, map(dict.get, self._value_holders, self._value_keys), self._value_tensors))
-                and list(map(_torch_private.tensor_version, self._value_tensors)) == self._value_versions
-                and list(map(_data_pointer, self._value_tensors)) == self._value_pointers)
+        """Record the current object of every tensor a guard names, the storage of those a
+        SAME_STORAGE or SAME_VALUE guard names, and the version of those a SAME_VALUE guard names."""
+        self._tensors = [t if t is not None else _Unresolvable()
+                         for t in map(dict.get, self._tensor_holders, self._tensor_keys)]
+        by_target = dict(zip(self._tensor_targets, self._tensors))
+        self._storage_tensors = [by_target[name] for name in self._storage_targets]
+        self._storage_pointers = list(map(_data_pointer, self._storage_tensors))
+        self._value_tensors = [by_target[name] for name in self._value_targets]
+        self._value_versions = _torch_private.tensor_versions(self._value_tensors)
 
     def first_failure(self, args: tuple = (), kwargs: dict | None = None) -> Guard | None:
         """None if every guard holds for this call, else the first one that does not."""
-        if (list(map(_training, self._modules)) == self._training
-                and list(map(_requires_grad, self._params)) == self._requires_grad
-                and not any(self._hooks_empty)
+        if (not self._unresolved
+                # truthiness, as a module's own `if self.training:` reads it
+                and not any(map(dict.get, self._eval_dicts, repeat("training")))
+                and all(map(dict.get, self._train_dicts, repeat("training")))
+                and not any(map(_training, self._eval_modules)) and all(map(_training, self._train_modules))
+                and not any(map(_requires_grad, self._frozen_params)) and all(map(_requires_grad, self._grad_params))
+                and self._no_hooks_added()
                 and list(map(tuple, self._hooks_kept)) == self._hooks_kept_expected
                 and all(map(is_, map(dict.get, self._slot_dicts, self._slot_keys), self._slot_modules))
-                and list(map(type, self._slot_modules)) == self._slot_types
-                and all(map(is_, map(dict.get, self._object_holders, self._object_keys), self._object_expected))
-                and (not self._value_tensors or self._values_unchanged())
-                and all(spec.mismatch(args, kwargs) is None for spec in self._calls)):
+                and all(map(is_, map(type, self._slot_modules), self._slot_types))
+                # identity first: the stand-in of a tensor the model no longer has has no data pointer
+                and all(map(is_, map(dict.get, self._tensor_holders, self._tensor_keys), self._tensors))
+                and list(map(_DATA_PTR, self._storage_tensors)) == self._storage_pointers
+                and _torch_private.tensor_versions(self._value_tensors) == self._value_versions
+                and all(spec.mismatch(args, kwargs or {}) is None for spec in self._calls)):
             return None
         return self._find_failure(args, kwargs or {})
+
+    def _no_hooks_added(self) -> bool:
+        """Whether every hook dict that was empty when bound still is. Each registration through torch's hook
+        API makes a handle first: while no handle was made since the dicts were last found empty, they still
+        are, and the dicts (four per module) are not read."""
+        made = _torch_private.hook_handles_made()
+        if made == self._hook_handles_seen:
+            return True
+        if any(self._hooks_empty):
+            return False
+        self._hook_handles_seen = made  # read before the dicts: a handle made meanwhile is seen next call
+        return True
 
     def untrue_now(self) -> list[Guard]:
         """Guards, other than call checks, that do not hold on the model right now (for the state a
@@ -307,18 +350,32 @@ class BoundGuards:
                                         self._slot_types):
             if slot.get(key) is not m or type(m) is not cls:
                 return g
-        for g, holder, key, t in zip(b[SAME_OBJECT], self._object_holders, self._object_keys, self._object_expected):
-            if holder.get(key) is not t:
-                return g
-        for g, holder, key, t, version, pointer in zip(b[SAME_VALUE], self._value_holders, self._value_keys,
-                                                       self._value_tensors, self._value_versions,
-                                                       self._value_pointers):
-            if holder.get(key) is not t or _torch_private.tensor_version(t) != version or _data_pointer(t) != pointer:
-                return g
+        tensors = dict(zip(self._tensor_targets, zip(self._tensor_holders, self._tensor_keys, self._tensors)))
+        pointers = dict(zip(self._storage_targets, self._storage_pointers))
+        versions = dict(zip(self._value_targets, self._value_versions))
+        for kind in (SAME_OBJECT, SAME_VALUE, SAME_STORAGE):  # a baked value first: its variant is never valid again
+            for g in b[kind]:
+                holder, key, t = tensors[g.target]
+                if (holder.get(key) is not t or (kind != SAME_OBJECT and _data_pointer(t) != pointers[g.target])
+                        or (kind == SAME_VALUE and _torch_private.tensor_version(t) != versions[g.target])):
+                    return g
         for g in b[CALL]:
             if g.expected.mismatch(args, kwargs) is not None:
                 return g
         return None
+
+
+def _split_by_flag(objects: list, guards: list[Guard]) -> tuple[list, list]:
+    """(the objects whose guard expects True, those whose guard expects False)."""
+    return ([o for o, g in zip(objects, guards) if g.expected is True],
+            [o for o, g in zip(objects, guards) if g.expected is not True])
+
+
+def _training_in_dict(module) -> bool:
+    """Whether `module.training` is the entry of its instance __dict__ (no class-level data descriptor
+    such as a property takes precedence over it)."""
+    return "training" in getattr(module, "__dict__", {}) and not hasattr(
+        type(getattr(type(module), "training", None)), "__set__")
 
 
 def _resolve_tensor_safe(model: torch.nn.Module, name: str) -> tuple[dict, str]:
@@ -330,6 +387,7 @@ def _resolve_tensor_safe(model: torch.nn.Module, name: str) -> tuple[dict, str]:
 
 _training = attrgetter("training")
 _requires_grad = attrgetter("requires_grad")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _data_pointer(t) -> int:

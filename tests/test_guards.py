@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.utils.prune
 
 import fxopt
-from fxopt.guards import GuardSet, model_state_guards
+from fxopt.guards import SAME_VALUE, Guard, GuardSet, model_state_guards
 
 
 class ConvBNNet(nn.Module):
@@ -235,6 +235,45 @@ def test_weights_written_after_optimize(write):
     assert_same(step(reference, backward=False), got)
 
 
+def test_inference_result_reads_weights_written_in_place_without_optimizing_again():
+    """An in-place write into a weight no pass baked in is read by the graph itself: no guard fails, eager's result."""
+    model = conv_bn_net().eval()
+    result = optimize_quietly(model, X)
+    reference = copy.deepcopy(result.original)
+    for m in (result, reference):
+        with torch.no_grad():
+            m.fc.weight.mul_(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = step(result, backward=False)
+    assert_same(step(reference, backward=False), got)
+    assert not result.fxopt_report.guard_events
+
+
+class CastsToWeightDtype(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x.to(self.fc.weight.dtype))
+
+
+def test_inference_result_after_data_assignment_of_another_dtype():
+    """`p.data = t` of another dtype on a weight the graph reads: export specialized to float32, so fxopt optimizes again."""
+    model = CastsToWeightDtype().eval()
+    x = torch.randn(3, 4)
+    result = optimize_quietly(model, x)
+    reference = copy.deepcopy(result.original)
+    for m in (result, reference):
+        m.fc.weight.data = m.fc.weight.data.double()
+        m.fc.bias.data = m.fc.bias.data.double()
+    with pytest.warns(UserWarning, match="same storage"):
+        got = result(x)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, reference(x))
+
+
 class WithLock(ConvBNNet):
     def __init__(self):
         super().__init__()
@@ -294,7 +333,8 @@ def test_guard_check_is_cheap():
     import timeit
 
     model = nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU()) for _ in range(33)])
-    bound = GuardSet(model_state_guards(model, "test", values=True)).bind(model)
+    baked = [Guard(SAME_VALUE, name, None, "test") for name, _ in model.state_dict(keep_vars=True).items()]
+    bound = GuardSet(model_state_guards(model, "test", storage=True) + baked).bind(model)
     assert bound.first_failure((), {}) is None
     seconds = min(timeit.repeat(lambda: bound.first_failure((), {}), number=50, repeat=3)) / 50
     assert seconds < 5e-3  # generous: a shared CI core; the benchmark measures ~0.1 ms
@@ -358,7 +398,7 @@ def test_verify_names_the_stage_where_a_failure_appeared(stage, monkeypatch):
 
 def test_a_guard_naming_a_missing_module_is_reported_not_checked():
     """A guard whose target the model lacks would fail every call: it is found at bind time instead."""
-    from fxopt.guards import TRAIN_MODE, Guard
+    from fxopt.guards import TRAIN_MODE
 
     model = conv_bn_net().eval()
     guards = GuardSet([Guard(TRAIN_MODE, "no.such.bn", False, "some_pass", "why")] + model_state_guards(model, "t"))

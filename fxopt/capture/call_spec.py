@@ -7,6 +7,12 @@ range export allows, e.g. `>= 2`: sizes 0 and 1 are always specialized). `CallSp
 these facts as plain data (it pickles with the result) and checks a call against them in
 microseconds, returning a reason rather than raising, so that the caller can run the original
 module instead of hitting export's `AssertionError: Guard failed`.
+
+The full check flattens the call with pytree and checks each leaf (tens of microseconds). A
+call made only of plain tensors and scalars (`model(ids)`, `model(x, return_dict=False)`) is
+first summarized by a key that determines that check's outcome: the keyword names in order,
+each tensor's dtype, device and shape, each scalar's type and value. A key the full check
+accepted before is accepted again without it (one tuple and one set lookup).
 """
 from __future__ import annotations
 
@@ -16,6 +22,9 @@ from typing import Any
 import torch
 
 from .. import _torch_private
+
+MAX_ACCEPTED_CALLS = 64  # distinct accepted call keys remembered per graph (batch sizes, keyword orders)
+_SCALARS = (bool, int, float, str, type(None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +46,8 @@ class CallSpec:
     leaves: list  # per flattened argument: a TensorSpec, or the non-tensor value itself
     names: list[str]  # per flattened argument: its name in the call, for messages
     ranges: dict[str, tuple[int, int | None]]  # symbolic size -> (min, max or None)
+    # keys of calls the full check accepted (see module docstring); not pickled
+    _accepted: set = dataclasses.field(default_factory=set, init=False, repr=False, compare=False)
 
     @classmethod
     def from_export(cls, gm: torch.fx.GraphModule, range_constraints: dict, kwargs: dict) -> CallSpec:
@@ -49,6 +60,15 @@ class CallSpec:
 
     def mismatch(self, args: tuple, kwargs: dict) -> str | None:
         """None if the graph may take this call, else why not (one line)."""
+        key = _call_key(args, kwargs)
+        if key is not None and key in self._accepted:
+            return None
+        problem = self._full_mismatch(args, kwargs)
+        if problem is None and key is not None and len(self._accepted) < MAX_ACCEPTED_CALLS:
+            self._accepted.add(key)
+        return problem
+
+    def _full_mismatch(self, args: tuple, kwargs: dict) -> str | None:
         if set(kwargs) != set(self.keywords):
             return f"keyword arguments {sorted(kwargs)}, the graph was exported for {sorted(self.keywords)}"
         leaves, spec = _torch_private.tree_flatten((tuple(args), {k: kwargs[k] for k in self.keywords}))
@@ -84,6 +104,15 @@ class CallSpec:
                 return f"shape {tuple(value.shape)}, the graph assumes {expected.describe()} with {want} {allowed}"
         return None
 
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_accepted", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._accepted = set()
+
     def describe(self) -> str:
         """E.g. `x: (s0, 3, 32, 32) float32; return_dict=True; s0 >= 2`."""
         parts = [f"{name}: {leaf.describe()}" if isinstance(leaf, TensorSpec) else f"{name}={leaf!r}"
@@ -93,6 +122,21 @@ class CallSpec:
             low, high = self.ranges.get(symbol, (0, None))
             parts.append(f"{symbol} in {low}..{high}" if high is not None else f"{symbol} >= {low}")
         return "; ".join(parts)
+
+
+def _call_key(args: tuple, kwargs: dict) -> tuple | None:
+    """What decides `CallSpec._full_mismatch` for a call of plain tensors and scalars (see module docstring);
+    None for any other call (a tensor subclass, a list, a dict, a ModelOutput...), which the full check takes."""
+    key = [tuple(kwargs)]
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        kind = type(value)
+        if kind is torch.Tensor:
+            key.append((value.dtype, value.device, value.shape))
+        elif kind in _SCALARS:
+            key.append((kind, value))
+        else:
+            return None
+    return tuple(key)
 
 
 def _finite(bound) -> int | None:

@@ -102,7 +102,7 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
     keep_graph_when_pickled(captured.module)  # also the GraphModules passes added
     guards = GuardSet(ctx.guards)
     guards.extend(_capture_guards(captured))
-    guards.extend(model_state_guards(source, "fxopt.optimize", values=mode == INFERENCE))
+    guards.extend(model_state_guards(source, "fxopt.optimize", storage=mode == INFERENCE))
     untrue = guards.bind(source).untrue_now()
     if untrue:  # not facts about this model (a target it does not have): checking them would always fail
         guards = GuardSet(g for g in guards if g not in untrue)

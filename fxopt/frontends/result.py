@@ -80,9 +80,14 @@ class OptimizedModule(torch.nn.Module):
     # ---- the per-call check ------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        variant = self._variants[0] if self._variants else None
-        if variant is not None and _bound(variant, self.original).first_failure(args, kwargs) is None:
-            return _run(variant, args, kwargs)
+        variants = self._variants
+        if variants:  # inlined check and run of the current variant: this is every call's overhead
+            variant = variants[0]
+            bound = variant.bound or _bound(variant, self.original)
+            if bound.first_failure(args, kwargs) is None:
+                out = variant.module(*args, **kwargs)
+                bound.note_own_writes()
+                return out
         return self._call_after_guard_failure(args, kwargs)
 
     def _call_after_guard_failure(self, args: tuple, kwargs: dict):
