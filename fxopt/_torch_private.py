@@ -54,6 +54,15 @@ def untyped_storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata
 
 
+def size_hint(n) -> int:
+    """A size as an int: a symbolic one (dynamic shapes) as its value in the example being compiled."""
+    if isinstance(n, int):
+        return n
+    from torch.fx.experimental.symbolic_shapes import hint_int
+
+    return hint_int(n)
+
+
 def fake_tensor_prop(gm, mode):
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -173,14 +182,15 @@ def aot_eager_compile(gm, example_inputs, partition_fn=None):
     Random ops keep their ATen form (their decompositions are left out): a decomposed dropout
     draws different numbers than eager; ATen's `native_dropout` draws the same (as torch's own
     aot_eager, which decomposes nothing). `partition_fn(joint, joint_inputs, **kwargs)` replaces the min-cut
-    partitioner."""
+    partitioner. The graphs take their inputs boxed (torch's `boxed_nop`, as Inductor's code): each
+    input, saved tensors included, is dropped after its last use, not held until the graph returns."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.compilers import nop
+    from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
     decompositions = {op: fn for op, fn in select_decomp_table().items() if not op_is_random(op)}
-    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop,
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                            partition_fn=partition_fn or min_cut_rematerialization_partition,
                            decompositions=decompositions)
     return backend(gm, example_inputs)
@@ -298,11 +308,17 @@ def _mark_non_persistent(module, names) -> None:
         module.get_submodule(owner)._non_persistent_buffers_set.add(attr)
 
 
-def profiler_memory_events(prof) -> list[tuple[int, int]]:
-    """(time in ns, +bytes allocated / -bytes freed) of every allocator event a
+def profiler_allocations(prof) -> list[tuple[int, int, int]]:
+    """(time in ns, address, +bytes allocated / -bytes freed) of every allocator event a
     `torch.profiler.profile(profile_memory=True)` run recorded, in time order."""
-    events = prof.profiler.kineto_results.events()
-    return sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    found, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            found.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+    return sorted(found)
 
 
 def tensor_versions(tensors) -> list[int]:
