@@ -198,11 +198,18 @@ def aot_eager_compile(gm, example_inputs, partition_fn=None):
 
 def inductor_compile_with_partitioner(gm, example_inputs, partition_fn):
     """Inductor's `compile_fx` partitioning forward/backward with `partition_fn(joint, joint_inputs, **kwargs)`
-    (after Inductor's joint-graph passes), through `torch._inductor.config.custom_partitioner_fn`."""
+    (after Inductor's joint-graph passes), through `torch._inductor.config.custom_partitioner_fn`.
+
+    Inductor's FX graph cache and AOTAutograd's cache are off for this compile: their keys take a custom
+    partitioner by its `uuid()` only, so a cached compile would be reused whatever `partition_fn` would
+    choose now (another budget), and `partition_fn` would not run at all."""
+    from torch._functorch import config as functorch_config
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
-    with config.patch(custom_partitioner_fn=_custom_partitioner_class()(partition_fn)):
+    no_cache = {"enable_autograd_cache": False} if hasattr(functorch_config, "enable_autograd_cache") else {}
+    with config.patch(custom_partitioner_fn=_custom_partitioner_class()(partition_fn), fx_graph_cache=False), \
+            functorch_config.patch(**no_cache):
         return compile_fx(gm, example_inputs)
 
 
@@ -219,7 +226,7 @@ def _custom_partitioner_class():
             return self.partition_fn(gm, joint_inputs, **kwargs)
 
         def uuid(self):
-            return None  # the partition depends on the budget: no cached compile may be reused
+            return None  # the partition depends on the budget: the caches are off (inductor_compile_with_partitioner)
 
     FxoptPartitioner.__qualname__ = FxoptPartitioner.__name__
     globals()[FxoptPartitioner.__name__] = FxoptPartitioner

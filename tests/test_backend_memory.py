@@ -187,21 +187,27 @@ def test_bad_budget_is_a_clear_error(budget, message):
 
 
 @pytest.mark.slow
-def test_inductor_budget_halves_saved_bytes_with_eager_gradients():
-    """Through Inductor: budget 0.5 saves at most 0.55x of budget 1.0's bytes, and gradients match eager."""
+def test_inductor_step_peak_is_monotonic_with_eager_gradients():
+    """Through Inductor (same graph, one budget after another, no cache reuse): the measured step peak never
+    grows as the budget shrinks, and gradients match eager."""
     torch.manual_seed(0)
     model, x = DeepMLP(width=64, depth=4), torch.randn(64, 64)
-    saved = {}
-    for budget in (1.0, 0.5):
+    peaks = []
+    for budget in (1.0, 0.5, 0.1):
         _torch_private.reset_dynamo()
         candidate = copy.deepcopy(model)
-        compiled = torch.compile(candidate, backend=fxopt.backend(memory_budget=budget))
-        ref, got = _step(model, model, x), _step(compiled, candidate, x)
+        backend = fxopt.backend(passes=["checkpoint_activations"], memory_budget=budget)
+        compiled = torch.compile(candidate, backend=backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # 0.1 is below this MLP's floor
+            ref, got = _step(model, model, x), _step(compiled, candidate, x)
+        # the partitioner ran for this budget: no cached compile of the same graph was reused
+        assert backend.reports[0]["checkpoint_activations"].figures["budget"] == budget
         model.zero_grad(set_to_none=True)
         worst, name, ok = max_difference(ref, got, 1e-4, 1e-4)
         assert ok, f"{name} differs by {worst:.3g}"
-        saved[budget] = measure_saved_bytes(lambda: compiled(x), candidate)
-    assert saved[0.5] <= 0.55 * saved[1.0], saved
+        peaks.append(measure_allocator_peak(candidate, (x,), compiled, gradients_before=False))
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0], peaks
 
 
 class _LastHiddenState(nn.Module):
@@ -223,3 +229,19 @@ def test_hf_bert_step_matches_eager_under_a_budget():
     model = _LastHiddenState(transformers.BertModel(config)).double().train()
     backend = _compiled_matches_eager(model, torch.randint(0, 1000, (2, 16)), memory_budget=0.5)
     assert backend.reports[0]["checkpoint_activations"].figures["saved_bytes_after"] > 0
+
+
+@pytest.mark.slow
+def test_hf_bert_predicted_step_peak_matches_the_allocator():
+    """On a small Hugging Face BERT (aot_eager), the report's predicted step peak is the allocator's measured one."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+                                     vocab_size=500, attn_implementation="eager")
+    model, x = _LastHiddenState(transformers.BertModel(config)).train(), torch.randint(0, 500, (4, 32))
+    for budget in (1.0, 0.5):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # whether 0.5 is reachable is not the point here
+            peak, backend = _step_peak(model, x, budget)
+        figures = backend.reports[0]["checkpoint_activations"].figures
+        assert abs(peak - figures["peak_bytes_after"]) <= 0.05 * peak, (budget, peak, figures)
