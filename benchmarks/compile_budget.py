@@ -11,11 +11,20 @@ from a config with random weights, wrapped to return `last_hidden_state`) and pe
              code generation (fast); "inductor" compiles with Inductor (20-30 s per compile on 2 cores)
 
 saved = bytes autograd keeps for backward after the forward (`fxopt.measure.measure_saved_bytes`,
-saved_tensors_hooks, each storage once, parameters excluded); peak = the allocator's live bytes
-during one step (`fxopt.measure.measure_allocator_peak`, after a warm-up step). Both as ratios of
-the same variant at budget 1.0. Deterministic on CPU (no timing).
+saved_tensors_hooks, each storage once, parameters excluded). peak = the allocator's live bytes
+during one step (`fxopt.measure.measure_allocator_peak`, after a warm-up step), two ways:
+  peak       gradients None before the step and the `.grad` tensors it leaves not counted
+             (`zero_grad(set_to_none=True)`, torch's default): the peak fxopt's budget bounds
+  peak(g)    gradients allocated before the step, so the compiled backward's gradient outputs,
+             all alive until that graph returns, count as temporaries (the definition of the
+             eager benchmarks, checkpoint_vs_peers.py)
+predicted = fxopt's predicted step peak of the partition taken (`fxopt.analysis.partition_memory`,
+in the report). All as ratios of the same variant at budget 1.0 (deterministic on CPU). step =
+the compiled training step's time as a ratio to the eager model's, medians of --rounds rounds
+interleaving the two, thread CPU time with one torch thread (the other processes of a shared
+machine do not inflate it).
 
-    python benchmarks/compile_budget.py [--inner aot_eager|inductor] [--models mlp,cnn,bert]
+    python benchmarks/compile_budget.py [--inner aot_eager|inductor] [--models mlp,cnn,bert] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ from tabulate import tabulate
 
 import fxopt
 from checkpoint_vs_peers import LastHiddenState
+from device import round_robin_ms
 from fxopt import _torch_private
 from fxopt.measure import measure_allocator_peak, measure_saved_bytes
 
@@ -53,7 +63,8 @@ def _bert():
     import transformers as hf
 
     config = hf.BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=256,
-                           attn_implementation="eager")
+                           vocab_size=1000, attn_implementation="eager")  # BERT's 30522 words: the 15.6 MB
+    # embedding gradient (and, decomposed, its zero-filled temporary) would be most of the step peak
     return LastHiddenState(hf.BertModel(config)), torch.randint(0, 1000, (4, 64))
 
 
@@ -70,45 +81,62 @@ def _inductor_budget_backend(inner: str, budget: float):
     return backend
 
 
-def _measure(model: torch.nn.Module, x: torch.Tensor, backend) -> tuple[int, int]:
-    """(saved bytes, allocator peak) of one compiled training step; compiles before measuring."""
+def _measure(model: torch.nn.Module, x: torch.Tensor, backend, rounds: int) -> dict[str, float]:
+    """Saved bytes, both peaks and the median step time of one compiled training step; compiles before measuring."""
     _torch_private.reset_dynamo()
     model = copy.deepcopy(model).train()
     compiled = torch.compile(model, backend=backend)
     compiled(x).sum().backward()  # compile (the partitioner runs here), outside every measurement
-    saved = measure_saved_bytes(lambda: compiled(x), model)
-    peak = measure_allocator_peak(model, (x,), forward=compiled)
-    return saved, peak
+
+    eager = copy.deepcopy(model)
+
+    def step(forward, module):
+        module.zero_grad(set_to_none=True)
+        forward(x).sum().backward()
+
+    times = round_robin_ms({"compiled": lambda: step(compiled, model), "eager": lambda: step(eager, eager)},
+                           torch.device("cpu"), rounds, warmup=2)
+    return {"saved": measure_saved_bytes(lambda: compiled(x), model),
+            "peak": measure_allocator_peak(model, (x,), forward=compiled, gradients_before=False),
+            "peak(g)": measure_allocator_peak(model, (x,), forward=compiled),
+            "step": times["compiled"] / times["eager"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inner", choices=("aot_eager", "inductor"), default="aot_eager")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
-    rows = []
+    print(f"inner compiler: {args.inner}; memory: ratios of the same variant at budget 1.0; step: ratio to eager "
+          f"(medians of {args.rounds} interleaved rounds of thread CPU time, 1 torch thread)")
     for name in args.models.split(","):
         model, x = MODELS[name]()
         figures = {}
         for budget in BUDGETS:
-            fx_backend = fxopt.backend(inner=args.inner, passes=[], memory_budget=budget)
+            fx_backend = fxopt.backend(inner=args.inner, passes=["checkpoint_activations"], memory_budget=budget)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                figures["fxopt", budget] = _measure(model, x, fx_backend)
-                figures["inductor", budget] = _measure(model, x, _inductor_budget_backend(args.inner, budget))
-            outcome = fx_backend.reports[0]["checkpoint_activations"].figures if fx_backend.reports else {}
-            figures["plan", budget] = outcome.get("plan", "?")
+                figures["fxopt", budget] = _measure(model, x, fx_backend, args.rounds)
+                figures["inductor", budget] = _measure(model, x, _inductor_budget_backend(args.inner, budget),
+                                                       args.rounds)
+            outcome = fx_backend.reports[0]["checkpoint_activations"].figures
+            figures["fxopt", budget]["predicted"] = outcome["peak_bytes_after"]
+            figures["plan", budget] = outcome["plan"] + ("" if outcome["budget_met"] else " (not met)")
+        rows = []
         for budget in BUDGETS:
             row = [name, budget]
-            for variant in ("fxopt", "inductor"):
-                saved, peak = figures[variant, budget]
-                base_saved, base_peak = figures[variant, 1.0]
-                row += [f"{saved / base_saved:.2f}x ({saved / 1e6:.2f} MB)", f"{peak / base_peak:.2f}x"]
-            rows.append(row + [figures["plan", budget]])
-    print(f"inner compiler: {args.inner}; ratios of the same variant at budget 1.0")
-    print(tabulate(rows, headers=["model", "budget", "fxopt saved", "fxopt peak", "inductor AMB saved",
-                                  "inductor AMB peak", "fxopt plan taken"]))
+            for variant, columns in (("fxopt", ("saved", "peak", "predicted", "peak(g)")),
+                                     ("inductor", ("saved", "peak", "peak(g)"))):
+                row += [f"{figures[variant, budget][c] / figures[variant, 1.0][c]:.2f}x" for c in columns]
+                row.append(f"{figures[variant, budget]['step']:.2f}x")
+            rows.append(row + [f"{figures['fxopt', 1.0]['peak'] / 1e6:.2f} / {figures['inductor', 1.0]['peak'] / 1e6:.2f}",
+                               f"{figures['fxopt', 1.0]['predicted'] / 1e6:.2f}", figures["plan", budget]])
+        print(tabulate(rows, headers=["model", "budget", "fxopt saved", "peak", "predicted", "peak(g)", "step",
+                                      "AMB saved", "peak", "peak(g)", "step", "peak at 1.0 MB (fxopt/AMB)",
+                                      "predicted at 1.0 MB", "fxopt plan taken"]), flush=True)
 
 
 if __name__ == "__main__":

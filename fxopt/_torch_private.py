@@ -55,6 +55,15 @@ def untyped_storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata
 
 
+def size_hint(n) -> int:
+    """A size as an int: a symbolic one (dynamic shapes) as its value in the example being compiled."""
+    if isinstance(n, int):
+        return n
+    from torch.fx.experimental.symbolic_shapes import hint_int
+
+    return hint_int(n)
+
+
 def fake_tensor_prop(gm, mode):
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -174,14 +183,15 @@ def aot_eager_compile(gm, example_inputs, partition_fn=None):
     Random ops keep their ATen form (their decompositions are left out): a decomposed dropout
     draws different numbers than eager; ATen's `native_dropout` draws the same (as torch's own
     aot_eager, which decomposes nothing). `partition_fn(joint, joint_inputs, **kwargs)` replaces the min-cut
-    partitioner."""
+    partitioner. The graphs take their inputs boxed (torch's `boxed_nop`, as Inductor's code): each
+    input, saved tensors included, is dropped after its last use, not held until the graph returns."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.compilers import nop
+    from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
     decompositions = {op: fn for op, fn in select_decomp_table().items() if not op_is_random(op)}
-    backend = aot_autograd(fw_compiler=nop, bw_compiler=nop,
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                            partition_fn=partition_fn or min_cut_rematerialization_partition,
                            decompositions=decompositions)
     return backend(gm, example_inputs)
@@ -189,11 +199,18 @@ def aot_eager_compile(gm, example_inputs, partition_fn=None):
 
 def inductor_compile_with_partitioner(gm, example_inputs, partition_fn):
     """Inductor's `compile_fx` partitioning forward/backward with `partition_fn(joint, joint_inputs, **kwargs)`
-    (after Inductor's joint-graph passes), through `torch._inductor.config.custom_partitioner_fn`."""
+    (after Inductor's joint-graph passes), through `torch._inductor.config.custom_partitioner_fn`.
+
+    Inductor's FX graph cache and AOTAutograd's cache are off for this compile: their keys take a custom
+    partitioner by its `uuid()` only, so a cached compile would be reused whatever `partition_fn` would
+    choose now (another budget), and `partition_fn` would not run at all."""
+    from torch._functorch import config as functorch_config
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
-    with config.patch(custom_partitioner_fn=_custom_partitioner_class()(partition_fn)):
+    no_cache = {"enable_autograd_cache": False} if hasattr(functorch_config, "enable_autograd_cache") else {}
+    with config.patch(custom_partitioner_fn=_custom_partitioner_class()(partition_fn), fx_graph_cache=False), \
+            functorch_config.patch(**no_cache):
         return compile_fx(gm, example_inputs)
 
 
@@ -210,7 +227,7 @@ def _custom_partitioner_class():
             return self.partition_fn(gm, joint_inputs, **kwargs)
 
         def uuid(self):
-            return None  # the partition depends on the budget: no cached compile may be reused
+            return None  # the partition depends on the budget: the caches are off (inductor_compile_with_partitioner)
 
     FxoptPartitioner.__qualname__ = FxoptPartitioner.__name__
     globals()[FxoptPartitioner.__name__] = FxoptPartitioner
@@ -299,11 +316,17 @@ def _mark_non_persistent(module, names) -> None:
         module.get_submodule(owner)._non_persistent_buffers_set.add(attr)
 
 
-def profiler_memory_events(prof) -> list[tuple[int, int]]:
-    """(time in ns, +bytes allocated / -bytes freed) of every allocator event a
+def profiler_allocations(prof) -> list[tuple[int, int, int]]:
+    """(time in ns, address, +bytes allocated / -bytes freed) of every allocator event a
     `torch.profiler.profile(profile_memory=True)` run recorded, in time order."""
-    events = prof.profiler.kineto_results.events()
-    return sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    found, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            found.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+    return sorted(found)
 
 
 def tensor_versions(tensors) -> list[int]:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ._torch_private import dispatch_mode_base, profiler_memory_events, tree_leaves
+from ._torch_private import dispatch_mode_base, profiler_allocations, tree_leaves
 
 
 class _LiveStorageMode(dispatch_mode_base()):
@@ -130,25 +130,41 @@ def measure_training_step(model: torch.nn.Module, inputs: tuple, loss_fn=None) -
     return StepCost(peak, counter.get_total_flops())
 
 
-def measure_allocator_peak(model: torch.nn.Module, inputs: tuple, forward=None) -> int:
+def measure_allocator_peak(model: torch.nn.Module, inputs: tuple, forward=None, gradients_before: bool = True) -> int:
     """Peak bytes allocated and alive at once during one training step of `forward(*inputs)`, from
     the allocator's events (after one warm-up step; `forward` defaults to `model`).
 
-    Parameter gradients exist before the measured step, so the figure is activations + temporaries.
+    gradients_before=True: parameter gradients exist before the measured step, so the figure is
+    activations + temporaries (gradients in flight before they accumulate included).
+    gradients_before=False: they are None before it (`zero_grad(set_to_none=True)`), and what the step
+    allocates and leaves allocated (the new `.grad` tensors) is not counted, as in `measure_peak`.
     """
     forward = model if forward is None else forward  # not `or`: a compiled module has no truth value
 
     def step():
         forward(*inputs).sum().backward()
 
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # gradients accumulate in place: not counted as step memory
+    def reset_gradients():
+        for p in model.parameters():  # gradients accumulate in place: not counted as step memory
+            p.grad = torch.zeros_like(p) if gradients_before else None
+
+    reset_gradients()
     step()
+    reset_gradients()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     model.zero_grad(set_to_none=True)
+    events = profiler_allocations(prof)
+    alive_at_end = {}  # address -> index of the allocation not freed by the end
+    for i, (_, address, nbytes) in enumerate(events):
+        if nbytes > 0:
+            alive_at_end[address] = i
+        else:
+            alive_at_end.pop(address, None)
+    left = set() if gradients_before else set(alive_at_end.values())
     live = peak = 0
-    for _, nbytes in profiler_memory_events(prof):
-        live += nbytes
-        peak = max(peak, live)
+    for i, (_, _, nbytes) in enumerate(events):
+        if i not in left:
+            live += nbytes
+            peak = max(peak, live)
     return peak

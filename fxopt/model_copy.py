@@ -1,20 +1,28 @@
-"""A copy of a model that shares no state with it, for inference results.
+"""Copies of models: one that shares no state with it (inference results), and a graph module's
+copy that shares its state but not its graph (`graph_module_copy`).
 
-`copy.deepcopy` first. Some models cannot be deep-copied: a `threading.Lock` attribute, a
-file handle, old-style `torch.nn.utils.weight_norm` (its computed `weight` is a non-leaf tensor,
-which deepcopy refuses). Those get a structural copy: every module object is copied, with its
-own parameter / buffer / submodule / hook dicts, every tensor (parameters, buffers, plain tensor
-attributes) cloned once (tied weights stay tied), and other attributes (the lock, a config
-object) shared. If even that fails, FxoptError: an inference result never silently shares the
-caller's model.
+`independent_copy` tries `copy.deepcopy` first. Some models cannot be deep-copied: a
+`threading.Lock` attribute, a file handle, old-style `torch.nn.utils.weight_norm` (its computed
+`weight` is a non-leaf tensor, which deepcopy refuses). Those get a structural copy: every
+module object is copied, with its own parameter / buffer / submodule / hook dicts, every tensor
+(parameters, buffers, plain tensor attributes) cloned once (tied weights stay tied), and other
+attributes (the lock, a config object) shared. If even that fails, FxoptError: an inference
+result never silently shares the caller's model.
 """
 from __future__ import annotations
 
 import copy
 
 import torch
+import torch.fx as fx
 
 from .errors import FxoptError
+
+
+def graph_module_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule running a copy of `gm`'s graph (its own nodes, each with its own `meta` dict) on `gm`'s
+    submodules, parameters and buffers (shared, not copied): edit or re-annotate it without touching `gm`."""
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
 
 
 def independent_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -284,7 +284,8 @@ def test_memory_budget_drives_the_partitioner_and_keeps_gradients():
         saved[budget] = measure_saved_bytes(lambda: compiled(x), candidate)
         assert_same(ref, step(compiled, candidate, x, grad=True))
     assert saved[0.1] < 0.6 * saved[None], saved
-    assert backend.reports[0]["checkpoint_activations"].figures["budget_met"]
+    figures = backend.reports[0]["checkpoint_activations"].figures
+    assert figures["peak_bytes_after"] < figures["peak_bytes_before"], figures
 
 
 def test_memory_budget_with_train_mode_batch_norm_matches_eager():

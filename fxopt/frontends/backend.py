@@ -58,6 +58,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..errors import FxoptError
+from ..model_copy import graph_module_copy
 from ..passes.base import INFERENCE, TRAINING, PassContext
 from ..passes.checkpoint_activations import parse_budget
 from ..pipeline.pipelines import build_pipeline
@@ -201,7 +202,7 @@ class FrozenInference:
         self.runtime_positions = [i for i, n in enumerate(placeholders) if n.name not in constant_inputs]
         self.constants = [example_inputs[i] for i in self.constant_positions]
         self.state = _frozen_state(self.constants)
-        self.unfrozen_graph = _copy_graph_module(gm)
+        self.unfrozen_graph = graph_module_copy(gm)
         frozen_gm = _constants_as_attributes(gm, self.constant_positions, example_inputs)
         with torch.no_grad():
             self.frozen = _torch_private.inductor_compile(
@@ -227,16 +228,9 @@ def _frozen_state(tensors: list) -> tuple[list[int], list[int]]:
     return _torch_private.tensor_versions(tensors), [t.data_ptr() for t in tensors]
 
 
-def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
-    return fx.GraphModule(gm, graph)
-
-
 def _constants_as_attributes(gm: fx.GraphModule, positions: list[int], example_inputs: list) -> fx.GraphModule:
     """A copy of `gm` whose placeholders at `positions` are get_attr of the (shared, not copied) tensors."""
-    frozen = _copy_graph_module(gm)
+    frozen = graph_module_copy(gm)
     placeholders = [n for n in frozen.graph.nodes if n.op == "placeholder"]
     first_op = next(n for n in frozen.graph.nodes if n.op != "placeholder")
     for k, i in enumerate(positions):

@@ -17,25 +17,32 @@ per region), the vocabulary selective activation checkpointing uses. So here:
    ATen nodes it becomes in the joint graph.
 2. Choice (`BudgetPartitioner`, AOTAutograd's partition function): the joint graph is
    partitioned untagged first (the min-cut partitioner's own choice: budget 1.0), then under
-   each candidate's tags in order of fxopt's recompute cost, until a partition saves at most
-   the budget (a fraction of the untagged partition's saved bytes, or a size in bytes). What a
-   partition saves is read off it: the backward graph's inputs, less the gradients' seeds and
-   tensors that live anyway (parameters, inputs). The first fit in one fixed order is the
-   cheapest fit, and monotonic by construction: a larger budget stops at the same partition
-   or an earlier one, which saves more only if the smaller budget could not take it.
-   If none fits, the partition saving least is taken and a UserWarning names the budget and
-   that floor.
+   each candidate's tags in order of fxopt's recompute cost, until a partition's predicted step
+   peak fits the budget (a fraction of the untagged partition's peak, or a size in bytes). The
+   peak is predicted on the partition itself (`fxopt.analysis.partition_memory`): the forward's
+   intermediates, the saved tensors until their last use in the backward, the backward's
+   temporaries and recomputed values; not the gradients the step leaves in `.grad`. The first
+   fit in one fixed order is the cheapest fit, and monotonic by construction: a larger budget
+   stops at the same partition or an earlier one, whose peak is lower only if the smaller
+   budget could have taken it. If none fits, the partition with the lowest peak is taken and a
+   UserWarning names the budget and that floor.
+
+Why bounding saved bytes was not enough (measured, benchmarks/compile_budget.py): a partition
+saving a quarter of the bytes can peak higher than one saving half, because one big recomputed
+region brings all its activations back at once in the backward; and the gradients of the
+parameters, all outputs of one backward graph, live until it returns.
 
 Budgets are parsed as in `fxopt.optimize` (`fxopt.passes.checkpoint_activations.parse_budget`):
-a fraction in (0, 1], or a size with a unit. Under torch.compile both bound the bytes each
-compiled graph saves for backward (a graph break gives each graph the whole byte budget).
+a fraction in (0, 1], or a size with a unit. Under torch.compile both bound each compiled
+graph's step peak (a graph break gives each graph the whole byte budget).
 
 Why it is safe: the partitioner recomputes tagged nodes from saved values inside the same
 functional graph; random ops are never tagged (the partitioner then saves their outputs, so
 dropout masks are not redrawn), and nodes the eager pass refuses stay untagged.
-Limits: Inductor's scheduler may reorder the backward, so the step's peak follows the saved
-bytes only approximately; needs torch with `torch._inductor.config.custom_partitioner_fn`
-for `inner="inductor"`.
+Limits: the prediction is exact for aot_eager, which runs the partition op by op; Inductor fuses
+pointwise ops (their intermediates never exist) and reuses buffers, so there the prediction is an
+upper bound and the measured ratios differ (benchmarks/compile_budget.py --inner inductor). Needs
+torch with `torch._inductor.config.custom_partitioner_fn` for `inner="inductor"`.
 """
 from __future__ import annotations
 
@@ -49,14 +56,17 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import _torch_private
 from ..analysis.memory import Region, StepProfile, estimate, step_profile
+from ..analysis.partition_memory import partition_peak
 from ..analysis.shapes import propagate_shapes
 from ..analysis.side_effects import RNG, effects
 from ..errors import FxoptError
+from ..model_copy import graph_module_copy
 from ..passes._checkpoint_plan import plan_regions, region_boundaries
 from ..passes.checkpoint_activations import parse_budget, refusal
 from ..pipeline.report import PassReport, Report
 
 LADDER = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # planner limits, fractions of the estimated step peak
+STRIDE_GROWTH = 1.5  # strided plans: regions between every s-th boundary, s = 1, 2, 3, 5, 8, 11, 17, ...
 STEP_KEY = "fxopt_step"  # in node.meta["custom"]: the Dynamo node's position, copied onto its ATen nodes
 
 
@@ -74,8 +84,10 @@ class Outcome:
     """What the partitioner chose for one graph (shown in the report as checkpoint_activations' figures)."""
 
     budget: object
-    budget_bytes: int
-    saved_bytes_before: int  # the min-cut partitioner's own choice
+    budget_bytes: int  # the limit on the step's peak
+    peak_bytes_before: int  # predicted step peak (fxopt.analysis.partition_memory) of the min-cut partitioner's own choice
+    peak_bytes_after: int  # ... of the partition taken
+    saved_bytes_before: int  # bytes saved for backward, the same two partitions
     saved_bytes_after: int
     budget_met: bool
     plan: str  # the candidate taken ("min-cut alone": untagged)
@@ -93,7 +105,7 @@ def plan_candidates(gm: fx.GraphModule, example_inputs: list) -> list[Candidate]
     Plans a copy (shapes propagated afresh in one fake mode), and stamps each call node of `gm`
     with its position for `BudgetPartitioner`.
     """
-    copy = fx.GraphModule(gm, _copied_graph(gm))
+    copy = graph_module_copy(gm)
     with _torch_private.outside_tracing_context():
         propagate_shapes(copy, tuple(example_inputs))
         for node, value in zip(copy.graph.find_nodes(op="placeholder"), example_inputs):
@@ -108,8 +120,7 @@ def plan_candidates(gm: fx.GraphModule, example_inputs: list) -> list[Candidate]
     peak = estimate(profile).peak
     plans = [(f"planner at {f}x peak", plan_regions(profile, f * peak, checkpointable)) for f in LADDER]
     plans.append(("lowest-peak plan", plan_regions(profile, math.inf, checkpointable, objective="peak")))
-    plans += [(f"regions every {2 ** k} boundaries", regions)
-              for k, regions in enumerate(_strided_plans(profile, checkpointable))]
+    plans += _strided_plans(profile, checkpointable)
     out, seen = [], set()
     for name, regions in plans:
         if not regions or regions in seen:
@@ -124,16 +135,16 @@ def plan_candidates(gm: fx.GraphModule, example_inputs: list) -> list[Candidate]
     return out
 
 
-def _strided_plans(profile: StepProfile, checkpointable: list[bool]) -> list[tuple[Region, ...]]:
-    """Whole regions between every s-th of the planner's cheap-to-save boundaries, s = 1, 2, 4, ...
+def _strided_plans(profile: StepProfile, checkpointable: list[bool]) -> list[tuple[str, tuple[Region, ...]]]:
+    """Whole regions between every s-th of the planner's cheap-to-save boundaries (STRIDE_GROWTH), named.
 
     The planner's ladder minimises the eager step's peak, which the gradients in flight keep high;
     under torch.compile what counts is what the forward saves, and these plans (the classic
     checkpoint-every-s-blocks schedules, down to one region) reach below the ladder's floor.
     """
     boundaries = sorted(region_boundaries(profile))
-    plans, stride = [], 1
-    while stride < len(boundaries):
+    plans = []
+    for stride in sorted({round(STRIDE_GROWTH ** k) for k in range(64) if STRIDE_GROWTH ** k < len(boundaries)}):
         cuts = boundaries[::stride] + ([boundaries[-1]] if (len(boundaries) - 1) % stride else [])
         regions = []
         for start, stop in zip(cuts, cuts[1:]):
@@ -145,15 +156,8 @@ def _strided_plans(profile: StepProfile, checkpointable: list[bool]) -> list[tup
                 elif not inside and run_start is not None:
                     regions.append(Region(run_start, p))
                     run_start = None
-        plans.append(tuple(regions))
-        stride *= 2
+        plans.append((f"regions every {stride} boundaries", tuple(regions)))
     return plans
-
-
-def _copied_graph(gm: fx.GraphModule) -> fx.Graph:
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return graph
 
 
 def _forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
@@ -166,24 +170,9 @@ def _forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
     return [n for n in joint.graph.nodes if n not in backward and n.op == "call_function"]
 
 
-def saved_bytes(joint: fx.GraphModule, backward: fx.GraphModule) -> int:
-    """Bytes a partition saves for backward: the backward graph's tensor inputs, each storage once,
-    less the gradients' seeds and tensors sharing storage with the joint graph's inputs."""
-    live_anyway = {_torch_private.untyped_storage_key(n.meta["val"]) for n in joint.graph.find_nodes(op="placeholder")
-                   if isinstance(n.meta.get("val"), torch.Tensor)}
-    storages = {}
-    for node in backward.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        if node.name.startswith("tangents") or not isinstance(val, torch.Tensor):
-            continue
-        key = _torch_private.untyped_storage_key(val)
-        if key not in live_anyway:
-            storages[key] = val.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 class BudgetPartitioner:
-    """AOTAutograd's partition function: the min-cut partition, under the candidate tags that fit the budget."""
+    """AOTAutograd's partition function: the min-cut partition, under the cheapest candidate tags whose
+    predicted step peak fits the budget."""
 
     def __init__(self, budget, candidates: list[Candidate]):
         self.budget = budget
@@ -194,27 +183,27 @@ class BudgetPartitioner:
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         user_tags = {n.name: (n.meta["recompute"], n.meta.get("ac_graph_id"))
                      for n in _forward_nodes(joint) if "recompute" in n.meta}
-        tried = []  # (saved bytes, cost, candidate, (forward module, backward module)), in order of cost
+        tried = []  # (PartitionPeak, cost, candidate, (forward module, backward module)), in order of cost
         limit = None
         for candidate in (None, *sorted(self.candidates, key=lambda c: c.cost)):
             self._tag(_forward_nodes(joint), candidate, user_tags)  # the partitioner may replace the graph (CSE)
             modules = _torch_private.min_cut_partition(joint, joint_inputs, **kwargs)
-            tried.append((saved_bytes(joint, modules[1]), candidate.cost if candidate else 0, candidate, modules))
+            tried.append((partition_peak(joint, *modules), candidate.cost if candidate else 0, candidate, modules))
             if limit is None:
-                limit = self.amount * tried[0][0] if self.kind == "fraction" else self.amount
-            if tried[-1][0] <= limit:
+                limit = self.amount * tried[0][0].step if self.kind == "fraction" else self.amount
+            if tried[-1][0].step <= limit:
                 break  # the cheapest that fits: first-fit in a fixed order is monotonic in the budget
         self._tag(_forward_nodes(joint), None, user_tags)
-        met = tried[-1][0] <= limit
-        chosen = tried[-1] if met else min(tried, key=lambda t: (t[0], t[1]))
-        plan, before = chosen[2], tried[0][0]
-        self.outcome = Outcome(self.budget, int(limit), before, chosen[0], met,
+        met = tried[-1][0].step <= limit
+        chosen = tried[-1] if met else min(tried, key=lambda t: (t[0].step, t[1]))
+        plan, before, after = chosen[2], tried[0][0], chosen[0]
+        self.outcome = Outcome(self.budget, int(limit), before.step, after.step, before.saved, after.saved, met,
                                plan.name if plan else "min-cut alone",
                                len({region for _, region in plan.tags.values()}) if plan else 0, len(tried) - 1)
         if not met:
-            warnings.warn(f"fxopt: memory_budget {self.budget!r} ({limit / 1e6:.2f} MB saved for backward) NOT met "
-                          f"under torch.compile: lowest reachable {chosen[0] / max(before, 1):.2f}x "
-                          f"({chosen[0] / 1e6:.2f} MB) of what the graph saves without recomputation", stacklevel=2)
+            warnings.warn(f"fxopt: memory_budget {self.budget!r} ({limit / 1e6:.2f} MB step peak) NOT met under "
+                          f"torch.compile: lowest reachable {after.step / max(before.step, 1):.2f}x "
+                          f"({after.step / 1e6:.2f} MB) of the step peak without recomputation", stacklevel=2)
         return chosen[3]
 
     @staticmethod
@@ -247,6 +236,6 @@ def compile_with_memory_budget(gm: fx.GraphModule, example_inputs: list, budget,
         entry = PassReport(name="checkpoint_activations", figures=dataclasses.asdict(partitioner.outcome))
         if not partitioner.outcome.budget_met:
             entry.figures["headline"] = (f"memory_budget {budget!r} NOT met under torch.compile: lowest reachable "
-                                         f"{partitioner.outcome.saved_bytes_after / 1e6:.2f} MB saved for backward")
+                                         f"step peak {partitioner.outcome.peak_bytes_after / 1e6:.2f} MB")
         report.passes = [p for p in report.passes if p.name != entry.name] + [entry]
     return compiled

@@ -1,0 +1,97 @@
+"""The memory of one training step run as an AOTAutograd partition: a forward graph and a backward graph.
+
+Under torch.compile, AOTAutograd runs a training graph as two graphs: the forward returns the
+user's outputs and the tensors saved for backward; the backward takes those and the outputs'
+gradients (`tangents_*`) and returns the inputs' gradients. `partition_peak` simulates both on
+the fake tensors of `node.meta["val"]` (each storage counted once, so views cost nothing):
+
+* a value is allocated by the node that first makes its storage and freed after the last node
+  that reads a value sharing that storage (generated code, boxed calls: Inductor, torch's
+  aot_eager, drop each input and intermediate after its last use);
+* the forward's outputs live to its end; saved tensors live from the forward until their last
+  use in the backward, and the outputs' gradients from the backward's start;
+* storages of the joint graph's inputs (parameters, buffers, inputs) live anyway, and the
+  backward's outputs (the gradients the step leaves in `.grad`, as with
+  `zero_grad(set_to_none=True)`) are not step memory: neither is counted, as in
+  `fxopt.measure.measure_peak`.
+
+The step's peak is the larger of the two graphs' peaks. Exact for graphs run op by op
+(aot_eager: checked against the allocator in tests/test_backend_memory.py); Inductor fuses
+pointwise ops, whose intermediates then never exist, so there it is an upper bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from .. import _torch_private
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionPeak:
+    """Bytes of one training step under a partition (see module docstring)."""
+
+    forward: int  # the forward's peak
+    backward: int  # the backward's peak, saved tensors included
+    saved: int  # bytes saved for backward, each storage once, inputs' storages left out
+
+    @property
+    def step(self) -> int:
+        return max(self.forward, self.backward)
+
+
+def _tensors(node: fx.Node) -> list[torch.Tensor]:
+    return [t for t in _torch_private.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return _torch_private.size_hint(t.untyped_storage().nbytes())
+
+
+def _storages(nodes) -> dict:
+    """Storage key -> bytes of every tensor the nodes produce."""
+    return {_torch_private.untyped_storage_key(t): _nbytes(t) for node in nodes for t in _tensors(node)}
+
+
+def _graph_peak(graph: fx.Graph, live: dict, not_counted: set) -> int:
+    """Peak bytes while `graph` runs, starting with `live` (storage key -> bytes, freed at last use like the
+    graph's own values); the graph's outputs stay alive to its end."""
+    nodes = list(graph.nodes)
+    position_of = {node: position for position, node in enumerate(nodes)}
+    last_use = {}
+    for position, node in enumerate(nodes):
+        end = len(nodes) if any(user.op == "output" for user in node.users) else \
+            max((position_of[user] for user in node.users), default=position)
+        for t in _tensors(node):
+            key = _torch_private.untyped_storage_key(t)
+            last_use[key] = max(last_use.get(key, -1), end)
+    freed_at: dict[int, list] = {}
+    for key, end in last_use.items():
+        freed_at.setdefault(end, []).append(key)
+    live = dict(live)
+    now = peak = sum(live.values())
+    for position, node in enumerate(nodes):
+        if node.op == "call_function":
+            for t in _tensors(node):
+                key = _torch_private.untyped_storage_key(t)
+                if key not in live and key not in not_counted:
+                    live[key] = _nbytes(t)
+                    now += live[key]
+            peak = max(peak, now)
+        for key in freed_at.get(position, ()):
+            now -= live.pop(key, 0)
+    return peak
+
+
+def partition_peak(joint: fx.GraphModule, forward: fx.GraphModule, backward: fx.GraphModule) -> PartitionPeak:
+    """The step's memory when AOTAutograd runs `joint` as `forward` then `backward` (see module docstring)."""
+    inputs = set(_storages(n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")))
+    gradients = set(_storages(a for out in backward.graph.find_nodes(op="output") for a in out.all_input_nodes))
+    at_start = {key: nbytes for key, nbytes in _storages(backward.graph.find_nodes(op="placeholder")).items()
+                if key not in inputs}
+    tangents = _storages(n for n in backward.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
+    return PartitionPeak(_graph_peak(forward.graph, {}, inputs),
+                         _graph_peak(backward.graph, at_start, inputs | gradients),
+                         sum(nbytes for key, nbytes in at_start.items() if key not in tangents))
