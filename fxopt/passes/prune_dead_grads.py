@@ -61,6 +61,7 @@ parameters that no longer get one, and saved-for-backward bytes before/after
 """
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable, Hashable
 
@@ -131,7 +132,7 @@ class PruneDeadGrads(Pass):
             self._eliminate_dead_code(gm, result)
             return result
         self._eliminate_dead_code(gm, result)  # first: a dead node's saved tensors are freed at once anyway
-        before = estimate_saved_bytes(gm, placeholder_values(gm))
+        unchanged = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # saved bytes are estimated only after a rewrite
         dead_code_sites = len(result.sites)
         chosen = self._chosen_outputs(gm, ctx, selection, result)
         needs = self._analyze(gm, ctx, chosen)
@@ -140,8 +141,11 @@ class PruneDeadGrads(Pass):
         self._detach_outputs(gm, needs, chosen, result)
         self._rewrite_frozen(gm, ctx, lambda: self._analyze(gm, ctx, chosen), result)
         gm.recompile()
-        rewritten = any(not s.refused for s in result.sites[dead_code_sites:])
-        after = estimate_saved_bytes(gm, placeholder_values(gm)) if rewritten else before  # fake forwards: slow
+        if not any(not s.refused for s in result.sites[dead_code_sites:]):
+            result.figures["bytes_no_longer_saved"] = 0  # nothing rewritten: no fake forwards (slow) to tell it
+            return result
+        before = estimate_saved_bytes(unchanged, placeholder_values(unchanged))
+        after = estimate_saved_bytes(gm, placeholder_values(gm))
         if before is not None and after is not None:
             result.figures["saved_bytes_before"] = before
             result.figures["saved_bytes_after"] = after
