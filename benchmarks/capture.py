@@ -2,6 +2,8 @@
 
     python benchmarks/capture.py                 # small configs (2 layers, width 64), batch 2: a minute or two
     python benchmarks/capture.py --full          # ResNet-50, MobileNetV2, ConvNeXt-tiny, ViT-base, BERT-base, GPT-2 configs
+    python benchmarks/capture.py --medium        # issue #12's sizes: 6-layer 384-wide BERT/GPT-2 (seq 128, batch 8),
+                                                 # ViT (6 layers, 384, batch 4), ResNet-50 / MobileNetV2 (batch 4), ConvNeXt-T (batch 2)
     python benchmarks/capture.py --models bert,gpt2 --modes inference
     python benchmarks/capture.py --models bert,vit --layers 4 --repeat 3   # medians of 3 interleaved runs
 
@@ -34,8 +36,20 @@ import fxopt
 from fxopt.capture import capture
 
 
-def _configs(full: bool, layers: int = 2) -> dict:
+def _configs(full: bool, layers: int = 2, medium: bool = False) -> dict:
+    """name -> (model factory, input kind, input size[, batch])."""
     t = transformers
+    if medium:
+        text = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, intermediate_size=1536)
+        return {
+            "resnet50": (lambda: t.ResNetModel(t.ResNetConfig()), "image", 224, 4),
+            "mobilenet_v2": (lambda: t.MobileNetV2Model(t.MobileNetV2Config()), "image", 224, 4),
+            "convnext": (lambda: t.ConvNextModel(t.ConvNextConfig()), "image", 224, 2),
+            "vit": (lambda: t.ViTModel(t.ViTConfig(**text)), "image", 224, 4),
+            "bert": (lambda: t.BertModel(t.BertConfig(**text)), "tokens", 128, 8),
+            "gpt2": (lambda: t.GPT2Model(t.GPT2Config(n_embd=384, n_layer=6, n_head=6, use_cache=False)),
+                     "tokens", 128, 8),
+        }
     if full:
         return {
             "resnet50": (lambda: t.ResNetModel(t.ResNetConfig()), "image", 224),
@@ -64,7 +78,7 @@ def _configs(full: bool, layers: int = 2) -> dict:
 def _inputs(kind: str, size: int, batch: int) -> tuple:
     if kind == "image":
         return (torch.randn(batch, 3, size, size),)
-    return (torch.randint(0, 100, (batch, size)),)
+    return (torch.randint(0, 100, (batch, size)),)  # ids < 100: within every config's vocabulary
 
 
 def _seconds(fn) -> tuple[float, object]:
@@ -111,6 +125,7 @@ def _captured_share(model, inputs) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="the models' default (full-size) configs")
+    parser.add_argument("--medium", action="store_true", help="issue #12's sizes (see module docstring), each its own batch")
     parser.add_argument("--models", default=None, help="comma-separated subset")
     parser.add_argument("--modes", default="inference,training")
     parser.add_argument("--batch", type=int, default=2)
@@ -119,16 +134,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="interleaved runs of each timing; medians")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    configs = _configs(args.full, args.layers)
+    configs = _configs(args.full, args.layers, args.medium)
     names = args.models.split(",") if args.models else list(configs)
     torch.export.export(torch.nn.Linear(2, 2), (torch.randn(2, 2),), strict=False)  # one-time set-up, not a model's cost
     rows = []
     for name in names:
-        make, kind, size = configs[name]
+        make, kind, size, *batch_size = configs[name]
         for mode in args.modes.split(","):
             torch.manual_seed(0)
             model = make().train(mode == "training")
-            inputs = _inputs(kind, size, args.batch)
+            inputs = _inputs(kind, size, batch_size[0] if batch_size else args.batch)
             batch = {name: {0: torch.export.Dim.AUTO} for name in inspect.signature(model.forward).bind(*inputs).arguments}
             timings = {"export": [], "dynamic": [], "optimize": [], "passes": [], "budget": []}
             try:
@@ -163,7 +178,7 @@ def main() -> None:
             rows.append(row)
             print(tabulate([row], tablefmt="plain"), flush=True)
     print()
-    print(tabulate(rows, headers=["model", "mode", "export s", "export dyn. batch s", "optimize s", "passes s",
+    print(tabulate(rows, headers=["model", "mode", "export s", "export dyn. batch s", "optimize s", "passes s (wall)",
                                   "optimize/export",
                                   "optimize/export dyn.", "graphs", "opaque",
                                   "params in graphs", "eager ms", "fxopt ms", "speed-up",

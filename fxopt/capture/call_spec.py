@@ -94,9 +94,11 @@ class CallSpec:
             return False
         other_batch = False
         for expected, value in zip(self.leaves, leaves):
-            if isinstance(expected, TensorSpec) and isinstance(value, torch.Tensor) and value.dim() == len(expected.sizes) > 0:
+            tensor = isinstance(expected, TensorSpec) and isinstance(value, torch.Tensor)
+            if tensor and value.dim() == len(expected.sizes) > 0:
+                other_sizes = zip(value.shape[1:], expected.sizes[1:])
                 if value.dtype != expected.dtype or str(value.device) != expected.device or any(
-                        isinstance(want, int) and size != want for size, want in zip(value.shape[1:], expected.sizes[1:])):
+                        isinstance(want, int) and size != want for size, want in other_sizes):
                     return False
                 other_batch |= isinstance(expected.sizes[0], int) and value.shape[0] != expected.sizes[0]
             elif self._leaf_mismatch(expected, value, {}):

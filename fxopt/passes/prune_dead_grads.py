@@ -61,7 +61,6 @@ parameters that no longer get one, and saved-for-backward bytes before/after
 """
 from __future__ import annotations
 
-import copy
 import operator
 from collections.abc import Callable, Hashable
 
@@ -132,7 +131,7 @@ class PruneDeadGrads(Pass):
             self._eliminate_dead_code(gm, result)
             return result
         self._eliminate_dead_code(gm, result)  # first: a dead node's saved tensors are freed at once anyway
-        unchanged = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # saved bytes are estimated only after a rewrite
+        unchanged = _copy_of(gm)  # its saved bytes are estimated only if the pass rewrites `gm` (fake forwards: slow)
         dead_code_sites = len(result.sites)
         chosen = self._chosen_outputs(gm, ctx, selection, result)
         needs = self._analyze(gm, ctx, chosen)
@@ -350,3 +349,11 @@ class PruneDeadGrads(Pass):
 def _nbytes(node: fx.Node) -> int:
     val = tensor_meta(node)
     return val.numel() * val.element_size() if val is not None else 0
+
+
+def _copy_of(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` on a copy of its graph (same attributes, codegen, node meta): what later edits of `gm` leave alone."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    _torch_private.set_graph_codegen(graph, _torch_private.graph_codegen(gm.graph))
+    return fx.GraphModule(gm, graph)
