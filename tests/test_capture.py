@@ -206,16 +206,44 @@ def test_opaque_reason_is_never_cut_mid_word():
 
 # --------------------------------------------------------------- calls that differ from the example
 
-def test_batch_dimension_is_dynamic():
-    """Exported at batch 2, the graph answers batch 5 without falling back."""
+def test_capture_exports_the_example_sizes_or_a_dynamic_batch():
+    """capture() exports the example's sizes (the cheapest export); with dynamic_batch, dimension 0 is symbolic, >= 2."""
+    model = nn.Sequential(conv_bn(3, 4), nn.Flatten(), nn.Linear(4 * 64, 2)).eval()
+    (static,) = capture(model, (torch.randn(2, 3, 8, 8),)).graphs
+    assert static.call.describe() == "input_1: (2, 3, 8, 8) float32"
+    (dynamic,) = capture(model, (torch.randn(2, 3, 8, 8),), dynamic_batch=True).graphs
+    assert ">= 2" in dynamic.call.describe()  # e.g. "input_1: (s77, 3, 8, 8) float32; s77 >= 2"
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_another_batch_size_optimizes_again_once_with_a_dynamic_batch(mode, monkeypatch):
+    """Exported at batch 2, a call at batch 5 re-optimizes once with a dynamic batch (eager's outputs and gradients,
+    one warning, one guard event); batch 7 then runs that cached variant, with no new export."""
+    import fxopt.capture as capture_module
+
     torch.manual_seed(0)
-    model = randomize_bn(nn.Sequential(conv_bn(3, 4), nn.Flatten(), nn.Linear(4 * 64, 2))).eval()
-    (graph,) = capture(model, (torch.randn(2, 3, 8, 8),)).graphs
-    assert ">= 2" in graph.call.describe()  # e.g. "input_1: (s77, 3, 8, 8) float32; s77 >= 2"
-    optimized = capture_only(model, (torch.randn(2, 3, 8, 8),))
-    x = torch.randn(5, 3, 8, 8)
-    with no_fallback():
-        torch.testing.assert_close(optimized(x), model(x))
+    training = mode == "training"
+    model = randomize_bn(nn.Sequential(conv_bn(3, 4), nn.Flatten(), nn.Linear(4 * 64, 2))).double().train(training)
+    reference = copy.deepcopy(model)
+    optimized = fxopt.optimize(model, torch.randn(2, 3, 8, 8, dtype=torch.float64), mode=mode)
+    exports = []
+    real_export = capture_module.export_module
+    monkeypatch.setattr(capture_module, "export_module",
+                        lambda *args, **kwargs: exports.append(kwargs["dynamic_batch"]) or real_export(*args, **kwargs))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (5, 7):
+            x = torch.randn(batch, 3, 8, 8, dtype=torch.float64)
+            if training:
+                assert_same_training_steps(reference, optimized, (x,), steps=1)
+            else:
+                torch.testing.assert_close(optimized(x), reference(x), rtol=1e-9, atol=1e-9)
+    assert exports == [True]
+    messages = [str(w.message) for w in caught if str(w.message).startswith("fxopt")]
+    assert len(messages) == 1 and "(2, 3, 8, 8)" in messages[0] and "dynamic batch dimension" in messages[0]
+    events = optimized.fxopt_report.guard_events
+    assert sum(events.values()) == 1 and "dynamic batch dimension" in next(iter(events))
+    assert len(optimized.variants) == 2
 
 
 def test_calls_the_graph_was_not_exported_for_run_the_original_without_assertion_errors():

@@ -51,6 +51,39 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
     remember_shape_sources(gm)
 
 
+def adopt_concrete_shapes(gm: fx.GraphModule) -> bool:
+    """Keep the fake tensors `torch.export` left in `node.meta["val"]` where every one has concrete sizes
+    (a static export: what a propagation from the example inputs would compute); False if not.
+
+    As a propagation would, parameters' values are detached (`requires_grad=False`) and the output
+    node gets the values it returns.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    if not all("val" in n.meta and _is_concrete(n.meta["val"]) for n in nodes):
+        return False
+    mode = _torch_private.detect_fake_mode([n.meta["val"] for n in nodes])
+    if mode is not None:  # export's: passes and analyses convert real tensors in it, and run nodes
+        _torch_private.reuse_export_fake_mode(mode)
+    for node in nodes:
+        if node.op == "get_attr" and isinstance(node.meta["val"], torch.Tensor):
+            node.meta["val"] = node.meta["val"].detach()
+    for node in gm.graph.find_nodes(op="output"):
+        node.meta["val"] = fx.node.map_arg(node.args[0], lambda n: n.meta["val"])
+    remember_shape_sources(gm)
+    return True
+
+
+def _is_concrete(value) -> bool:
+    """No symbolic size, stride or number anywhere in `value` (a fake tensor, a tuple of them, an int)."""
+    for leaf in _torch_private.tree_leaves(value):
+        if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return False
+        if isinstance(leaf, torch.Tensor) and not all(
+                isinstance(s, int) for s in (*leaf.shape, *(leaf.stride() if leaf.layout == torch.strided else ()))):
+            return False
+    return True
+
+
 _SOURCE = "fxopt_shape_of"
 _MISSING = object()
 # Calls that change global state for the nodes after them: a graph that gains one is propagated whole.

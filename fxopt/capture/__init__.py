@@ -80,8 +80,9 @@ def check_initialized(model: torch.nn.Module) -> None:
 
 
 class _Capturer:
-    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict):
+    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_batch: bool):
         self.model, self.args, self.kwargs = model, args, kwargs
+        self.dynamic_batch = dynamic_batch
         self.graphs: list[CapturedGraph] = []
         self.opaque: list[OpaqueModule] = []
         self.specialized: list[Specialization] = []
@@ -99,7 +100,9 @@ class _Capturer:
         """Capture `module` as called with (args, kwargs); return what should stand in its place."""
         if isinstance(module, SpecializedCall):  # an fxopt result optimized again: recapture its graph
             return module.with_graph(self.capture_call(module.graph_module, path, args, kwargs))
-        exported = export_module(module, args, kwargs)
+        # The whole model's graph is guarded by the result, which re-optimizes with a dynamic batch when a call
+        # needs it; a child's graph stands in a SpecializedCall, which can only run the original instead.
+        exported = export_module(module, args, kwargs, dynamic_batch=self.dynamic_batch or bool(path))
         if isinstance(exported, str):
             self.calls  # noqa: B018 - the real run names a module that rejects its inputs, and finds autograd calls
             if path in self.runs_autograd:
@@ -146,12 +149,16 @@ def _has_submodule(gm: torch.nn.Module, path: str) -> bool:
         return False
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Capture:
-    """Export `model` as called with (args, kwargs), falling back to its children (see module docstring)."""
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, dynamic_batch: bool = False) -> Capture:
+    """Export `model` as called with (args, kwargs), falling back to its children (see module docstring).
+
+    The whole model is exported for the example's sizes, or with `dynamic_batch` for any size of
+    dimension 0 of its tensor arguments; children (where the whole model does not export) always
+    with a dynamic batch."""
     if not isinstance(model, torch.nn.Module):
         raise FxoptError(f"expected a torch.nn.Module, got {type(model).__name__}")
     check_initialized(model)
-    capturer = _Capturer(model, tuple(args), dict(kwargs or {}))
+    capturer = _Capturer(model, tuple(args), dict(kwargs or {}), dynamic_batch)
     try:
         result = capturer.capture_call(model, "", capturer.args, capturer.kwargs)
     except FxoptError:

@@ -104,6 +104,27 @@ class CallSpec:
                 return f"shape {tuple(value.shape)}, the graph assumes {expected.describe()} with {want} {allowed}"
         return None
 
+    def differs_only_in_batch(self, args: tuple, kwargs: dict) -> bool:
+        """True if the call is like the example except for the size of dimension 0 of some tensors
+        (a call a graph exported with a dynamic batch dimension may take)."""
+        if set(kwargs) != set(self.keywords):
+            return False
+        leaves, spec = _torch_private.tree_flatten((tuple(args), {k: kwargs[k] for k in self.keywords}))
+        if spec != self.in_spec:
+            return False
+        other_batch = False
+        for expected, value in zip(self.leaves, leaves):
+            tensor = isinstance(expected, TensorSpec) and isinstance(value, torch.Tensor)
+            if tensor and value.dim() == len(expected.sizes) > 0:
+                other_sizes = zip(value.shape[1:], expected.sizes[1:])
+                if value.dtype != expected.dtype or str(value.device) != expected.device or any(
+                        isinstance(want, int) and size != want for size, want in other_sizes):
+                    return False
+                other_batch |= isinstance(expected.sizes[0], int) and value.shape[0] != expected.sizes[0]
+            elif self._leaf_mismatch(expected, value, {}):
+                return False
+        return other_batch
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_accepted", None)

@@ -17,7 +17,7 @@ from ..pipeline.instruments import Instrument
 from ..pipeline.pipelines import build_pipeline, resolve_mode
 from ..pipeline.run import from_model, run_pipeline
 from ..pipeline.verify import Verifier
-from .result import OptimizedModule, Variant
+from .result import DYNAMIC_BATCH_SETTING, OptimizedModule, Variant
 
 
 def normalize_inputs(example_inputs) -> tuple:
@@ -88,7 +88,8 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
                   instruments: Sequence[Instrument] = ()) -> Variant:
     """Capture `source` as it is now, run the pipeline, and collect the guards the result relies on.
 
-    Also how a result optimizes itself again when its model's state changed.
+    Also how a result optimizes itself again when its model's state or its calls' batch size changed:
+    the model is exported for the example's sizes, or with `settings["dynamic_batch"]` for any batch size.
     """
     mode = settings["mode"]
     pass_options = settings["pass_options"]
@@ -96,12 +97,12 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
     verifier = None
     if verify:  # the reference runs on the model as it is now, before capture
         verifier = Verifier(source, args, training=mode == TRAINING, differentiable=pass_options.get("differentiable_outputs"))
-    captured = from_model(source, args, kwargs)
+    captured = from_model(source, args, kwargs, dynamic_batch=settings.get(DYNAMIC_BATCH_SETTING, False))
     ctx = PassContext(mode, dict(pass_options))
     report = run_pipeline(captured, pipeline, ctx, instruments=instruments, verifier=verifier)
     keep_graph_when_pickled(captured.module)  # also the GraphModules passes added
     guards = GuardSet(ctx.guards)
-    guards.extend(_capture_guards(captured))
+    guards.extend(_capture_guards(captured, settings.get(DYNAMIC_BATCH_SETTING, False)))
     guards.extend(model_state_guards(source, "fxopt.optimize", storage=mode == INFERENCE))
     untrue = guards.bind(source).untrue_now()
     if untrue:  # not facts about this model (a target it does not have): checking them would always fail
@@ -111,12 +112,19 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
     return Variant(captured.module, guards, report)
 
 
-def _capture_guards(captured) -> list[Guard]:
+_CALL_REASONS = {  # by whether the batch dimension was exported dynamic
+    False: "torch.export specialized the graph to calls like the example; a call with another batch size "
+           "optimizes the model again once, with the batch dimension dynamic",
+    True: "torch.export specialized the graph to calls like the example, but for the batch size",
+}
+
+
+def _capture_guards(captured, dynamic_batch: bool) -> list[Guard]:
     """What capture relied on: the call the whole-model graph was exported for, the modes it baked in."""
     guards = []
     for g in captured.graphs:
         if g.path == "" and getattr(g, "call", None) is not None:
-            guards.append(Guard(CALL, "", g.call, "capture", "torch.export specialized the graph to calls like the example"))
+            guards.append(Guard(CALL, "", g.call, "capture", _CALL_REASONS[dynamic_batch]))
         for path, flag in getattr(g, "training_flags", {}).items():
             target = f"{g.path}.{path}" if g.path and path else (g.path or path)
             guards.append(Guard(TRAIN_MODE, target, flag, "capture",

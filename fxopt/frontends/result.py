@@ -13,8 +13,11 @@ when one no longer holds, the call does the right thing without the user doing a
     state once);
   - a change of the model's state (train/eval flags, requires_grad, a replaced module or
     parameter, weights a variant baked in) optimizes the model again for the new state;
-  - a hook added to the model, a call unlike the example (another shape, dtype, flag), or a state
-    fxopt cannot optimize runs the original model, as written;
+  - a call unlike the example only in its batch size (dimension 0 of its tensors) optimizes the
+    model again, once, with the batch dimension dynamic (`torch.export.Dim.AUTO`): that variant
+    then takes every batch size export allows;
+  - a hook added to the model, a call unlike the example otherwise (another shape, dtype, flag), or
+    a state fxopt cannot optimize runs the original model, as written;
 
 and warns once per assumption and action, naming what changed and what fxopt did; the report
 counts each (`fxopt_report.guard_events`). A variant whose baked values were overwritten can never
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch_private
 from ..passes.base import INFERENCE, TRAINING
 from ..guards import CALL, HOOKS, SAME_VALUE, BoundGuards, Guard, GuardSet, model_state_guards
 
@@ -42,6 +46,8 @@ MAX_VALUE_REOPTIMIZATIONS = 3  # weights overwritten more often than this: stop 
 RAN_ORIGINAL = "ran the original model"
 REOPTIMIZED = "optimized the model again for its new state"
 REUSED = "switched to the variant it had already optimized for this state"
+MADE_BATCH_DYNAMIC = "optimized the model again with a dynamic batch dimension"
+DYNAMIC_BATCH_SETTING = "dynamic_batch"  # settings key: export the batch dimension dynamic (see build_variant)
 
 # A failed guard of these kinds sends the call to the original model rather than to a new optimization.
 _RUN_ORIGINAL_KINDS = (CALL, HOOKS)
@@ -103,7 +109,10 @@ class OptimizedModule(torch.nn.Module):
                 failed = failure
             if failure.kind == SAME_VALUE:  # its baked values were overwritten: never valid again
                 self._variants.remove(variant)
-        if failed is None or failed.kind in _RUN_ORIGINAL_KINDS or len(self._variants) >= MAX_VARIANTS:
+        settings = self._settings
+        if failed is not None and failed.kind == CALL and self._may_make_batch_dynamic(failed, args, kwargs):
+            settings = {**settings, DYNAMIC_BATCH_SETTING: True}
+        elif failed is None or failed.kind in _RUN_ORIGINAL_KINDS or len(self._variants) >= MAX_VARIANTS:
             self._event(failed, RAN_ORIGINAL)
             return self.original(*args, **kwargs)
         if failed.kind == SAME_VALUE:
@@ -111,16 +120,27 @@ class OptimizedModule(torch.nn.Module):
             if self._value_reoptimizations > MAX_VALUE_REOPTIMIZATIONS:
                 self._event(failed, f"{RAN_ORIGINAL} (its weights keep changing between calls)")
                 return self.original(*args, **kwargs)
-        variant, error = self._optimize_for_current_state(args, kwargs)
+        self.__dict__["_settings"] = settings  # once a call brought another batch size, every later variant is dynamic
+        variant, error = self._optimize_for_current_state(args, kwargs, remember_failure=failed.kind != CALL)
         if variant is None:
             self._event(failed, f"{RAN_ORIGINAL} (optimizing it again failed: {error})")
             return self.original(*args, **kwargs)
         self._variants.insert(0, variant)
-        self._event(failed, REOPTIMIZED)
+        self._event(failed, MADE_BATCH_DYNAMIC if failed.kind == CALL else REOPTIMIZED)
         return _run(variant, args, kwargs)
 
-    def _optimize_for_current_state(self, args: tuple, kwargs: dict) -> tuple[Variant | None, str]:
-        """A new variant for the model as it is now, or (a variant running the original, why not)."""
+    def _may_make_batch_dynamic(self, failed: Guard, args: tuple, kwargs: dict) -> bool:
+        """A call unlike the example only in its batch size, of at least 2 (export specializes 0 and 1), while
+        the variants are still exported for one batch size, and room for one more variant."""
+        return (not self._settings.get(DYNAMIC_BATCH_SETTING) and len(self._variants) < MAX_VARIANTS
+                and failed.expected.differs_only_in_batch(args, kwargs)
+                and all(t.dim() == 0 or t.shape[0] >= 2 for t in _torch_private.tree_leaves((args, kwargs))
+                        if isinstance(t, torch.Tensor)))
+
+    def _optimize_for_current_state(self, args: tuple, kwargs: dict, *,
+                                    remember_failure: bool = True) -> tuple[Variant | None, str]:
+        """A new variant for the model as it is now, or (None, why not); with `remember_failure`, a variant
+        running the original is then kept for this state, so later calls in it do not try again."""
         settings = self._settings
         if settings["mode"] == INFERENCE and any(m.training for m in self.original.modules()):
             # switched (even one layer) to train(): a training step may follow, so optimize for training
@@ -132,7 +152,8 @@ class OptimizedModule(torch.nn.Module):
             return variant, ""
         except Exception as e:  # noqa: BLE001 - whatever fails, the original still computes the right thing
             reason = f"{type(e).__name__}: {e}".splitlines()[0]
-        # Remember the state, so later calls in it run the original without trying again.
+        if not remember_failure:
+            return None, reason
         guards = GuardSet(model_state_guards(self.original, "fxopt"))
         self._variants.insert(0, Variant(self.original, guards, bound=guards.bind(self.original)))
         return None, reason

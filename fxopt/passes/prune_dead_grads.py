@@ -130,7 +130,7 @@ class PruneDeadGrads(Pass):
             self._eliminate_dead_code(gm, result)
             return result
         self._eliminate_dead_code(gm, result)  # first: a dead node's saved tensors are freed at once anyway
-        before = estimate_saved_bytes(gm, placeholder_values(gm))
+        unchanged = _copy_of(gm)  # its saved bytes are estimated only if the pass rewrites `gm` (fake forwards: slow)
         dead_code_sites = len(result.sites)
         chosen = self._chosen_outputs(gm, ctx, selection, result)
         needs = self._analyze(gm, ctx, chosen)
@@ -139,8 +139,11 @@ class PruneDeadGrads(Pass):
         self._detach_outputs(gm, needs, chosen, result)
         self._rewrite_frozen(gm, ctx, lambda: self._analyze(gm, ctx, chosen), result)
         gm.recompile()
-        rewritten = any(not s.refused for s in result.sites[dead_code_sites:])
-        after = estimate_saved_bytes(gm, placeholder_values(gm)) if rewritten else before  # fake forwards: slow
+        if not any(not s.refused for s in result.sites[dead_code_sites:]):
+            result.figures["bytes_no_longer_saved"] = 0  # nothing rewritten: no fake forwards (slow) to tell it
+            return result
+        before = estimate_saved_bytes(unchanged, placeholder_values(unchanged))
+        after = estimate_saved_bytes(gm, placeholder_values(gm))
         if before is not None and after is not None:
             result.figures["saved_bytes_before"] = before
             result.figures["saved_bytes_after"] = after
@@ -340,3 +343,11 @@ class PruneDeadGrads(Pass):
 def _nbytes(node: fx.Node) -> int:
     val = tensor_meta(node)
     return val.numel() * val.element_size() if val is not None else 0
+
+
+def _copy_of(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` on a copy of its graph (same attributes, codegen, node meta): what later edits of `gm` leave alone."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    _torch_private.set_graph_codegen(graph, _torch_private.graph_codegen(gm.graph))
+    return fx.GraphModule(gm, graph)

@@ -4,8 +4,9 @@
     captured = from_dynamo_graph(gm, example_inputs, name)      # the torch.compile backend
     report = run_pipeline(captured, pipeline, ctx, instruments=..., verifier=...)
 
-Either way each graph gets its shapes (`node.meta["val"]`) once, here: an exported graph by one
-fake-tensor propagation from the example inputs, a Dynamo graph from the fake tensors Dynamo
+Either way each graph gets its shapes (`node.meta["val"]`) once, here: an exported graph from the
+fake tensors export computed where they are concrete (a static export: the example's sizes), else by
+one fake-tensor propagation from the example inputs; a Dynamo graph from the fake tensors Dynamo
 already computed. `run_pipeline` then checks capture alone (with a verifier) and runs the passes
 with the `PassManager`, which keeps the shapes up to date as passes change the graphs.
 """
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from ..analysis.shapes import propagate_shapes, remember_shape_sources
+from ..analysis.shapes import adopt_concrete_shapes, propagate_shapes, remember_shape_sources
 from ..capture import Capture, CapturedGraph, capture
 from ..passes.base import Pass, PassContext
 from .instruments import Instrument
@@ -25,11 +26,14 @@ from .report import Report
 from .verify import Verifier
 
 
-def from_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Capture:
-    """`model` captured with torch.export as called with (args, kwargs), every graph with its shapes."""
-    captured = capture(model, args, kwargs)
+def from_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+               dynamic_batch: bool = False) -> Capture:
+    """`model` captured with torch.export as called with (args, kwargs), every graph with its shapes
+    (with `dynamic_batch`, the whole model exported for any batch size: see `capture`)."""
+    captured = capture(model, args, kwargs, dynamic_batch=dynamic_batch)
     for g in captured.graphs:
-        propagate_shapes(g.gm, g.example_inputs)
+        if not adopt_concrete_shapes(g.gm):
+            propagate_shapes(g.gm, g.example_inputs)
     return captured
 
 
