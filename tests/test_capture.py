@@ -246,6 +246,29 @@ def test_another_batch_size_optimizes_again_once_with_a_dynamic_batch(mode, monk
     assert len(optimized.variants) == 2
 
 
+def test_a_batch_of_one_gets_its_own_variant_once(monkeypatch):
+    """Export fixes batch sizes 0 and 1: a batch-1 call, before or after the dynamic variant exists, is optimized
+    for its size once (eager's outputs, one warning), and later batch-1 calls reuse that variant with no new export."""
+    import fxopt.capture as capture_module
+
+    torch.manual_seed(0)
+    model = randomize_bn(nn.Sequential(conv_bn(3, 4), nn.Flatten(), nn.Linear(4 * 64, 2))).double().eval()
+    optimized = fxopt.optimize(model, torch.randn(2, 3, 8, 8, dtype=torch.float64))
+    exports = []
+    real_export = capture_module.export_module
+    monkeypatch.setattr(capture_module, "export_module",
+                        lambda *args, **kwargs: exports.append(args[1][0].shape[0]) or real_export(*args, **kwargs))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (1, 5, 1, 2, 7, 1):
+            x = torch.randn(batch, 3, 8, 8, dtype=torch.float64)
+            torch.testing.assert_close(optimized(x), model(x), rtol=1e-9, atol=1e-9)
+    assert exports == [1, 5]
+    messages = [str(w.message) for w in caught if str(w.message).startswith("fxopt")]
+    assert any("for this batch size" in m for m in messages) and any("dynamic batch" in m for m in messages)
+    assert all(v.module is not optimized.original for v in optimized.variants) and len(optimized.variants) == 3
+
+
 def test_calls_the_graph_was_not_exported_for_run_the_original_without_assertion_errors():
     """Batch 1 (export specializes 0/1) or another image size: the result re-optimizes or runs the original, never an AssertionError."""
     torch.manual_seed(0)

@@ -98,11 +98,18 @@ class CallSpec:
                 continue
             if bound.setdefault(want, size) != size:
                 return f"size {size} where the graph needs {want} = {bound[want]} (the same size as another input)"
-            low, high = self.ranges.get(want, (0, None))
-            if size < low or (high is not None and size > high):
+            if not self._size_allowed(want, size):
+                low, high = self.ranges.get(want, (0, None))
                 allowed = f"{low}..{high}" if high is not None else f">= {low}"
                 return f"shape {tuple(value.shape)}, the graph assumes {expected.describe()} with {want} {allowed}"
         return None
+
+    def _size_allowed(self, want: int | str, size: int) -> bool:
+        """`size` is the fixed size `want`, or within the range of the symbolic size `want`."""
+        if isinstance(want, int):
+            return size == want
+        low, high = self.ranges.get(want, (0, None))
+        return low <= size and (high is None or size <= high)
 
     def differs_only_in_batch(self, args: tuple, kwargs: dict) -> bool:
         """True if the call is like the example except for the size of dimension 0 of some tensors
@@ -120,7 +127,7 @@ class CallSpec:
                 if value.dtype != expected.dtype or str(value.device) != expected.device or any(
                         isinstance(want, int) and size != want for size, want in other_sizes):
                     return False
-                other_batch |= isinstance(expected.sizes[0], int) and value.shape[0] != expected.sizes[0]
+                other_batch |= not self._size_allowed(expected.sizes[0], value.shape[0])
             elif self._leaf_mismatch(expected, value, {}):
                 return False
         return other_batch

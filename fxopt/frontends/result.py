@@ -15,7 +15,8 @@ when one no longer holds, the call does the right thing without the user doing a
     parameter, weights a variant baked in) optimizes the model again for the new state;
   - a call unlike the example only in its batch size (dimension 0 of its tensors) optimizes the
     model again, once, with the batch dimension dynamic (`torch.export.Dim.AUTO`): that variant
-    then takes every batch size export allows;
+    then takes every batch size export allows (>= 2); a batch of 0 or 1, which export always fixes,
+    gets a variant of its own;
   - a hook added to the model, a call unlike the example otherwise (another shape, dtype, flag), or
     a state fxopt cannot optimize runs the original model, as written;
 
@@ -47,10 +48,12 @@ RAN_ORIGINAL = "ran the original model"
 REOPTIMIZED = "optimized the model again for its new state"
 REUSED = "switched to the variant it had already optimized for this state"
 MADE_BATCH_DYNAMIC = "optimized the model again with a dynamic batch dimension"
+FOR_THIS_BATCH_SIZE = "optimized the model again for this batch size (export fixes batch sizes 0 and 1)"
 DYNAMIC_BATCH_SETTING = "dynamic_batch"  # settings key: export the batch dimension dynamic (see build_variant)
 
-# A failed guard of these kinds sends the call to the original model rather than to a new optimization.
-_RUN_ORIGINAL_KINDS = (CALL, HOOKS)
+# A failed guard of these kinds sends the call to the original model rather than to a new optimization
+# (a failed CALL guard does too, unless only the batch size differs: `_settings_for_another_batch`).
+_RUN_ORIGINAL_KINDS = (HOOKS,)
 
 
 @dataclasses.dataclass
@@ -79,6 +82,7 @@ class OptimizedModule(torch.nn.Module):
         d["_settings"] = settings
         d["_warned"] = set()
         d["_value_reoptimizations"] = 0
+        d["_unoptimizable_batch_sizes"] = set()  # batch sizes 0/1 whose own optimization failed: not tried again
         self.fxopt_report = first.report
         if first.report is not None:
             first.report.guards = list(first.guards)
@@ -110,9 +114,9 @@ class OptimizedModule(torch.nn.Module):
             if failure.kind == SAME_VALUE:  # its baked values were overwritten: never valid again
                 self._variants.remove(variant)
         settings = self._settings
-        if failed is not None and failed.kind == CALL and self._may_make_batch_dynamic(failed, args, kwargs):
-            settings = {**settings, DYNAMIC_BATCH_SETTING: True}
-        elif failed is None or failed.kind in _RUN_ORIGINAL_KINDS or len(self._variants) >= MAX_VARIANTS:
+        if failed is not None and failed.kind == CALL:
+            settings = self._settings_for_another_batch(failed, args, kwargs)
+        if settings is None or failed is None or failed.kind in _RUN_ORIGINAL_KINDS or len(self._variants) >= MAX_VARIANTS:
             self._event(failed, RAN_ORIGINAL)
             return self.original(*args, **kwargs)
         if failed.kind == SAME_VALUE:
@@ -120,22 +124,32 @@ class OptimizedModule(torch.nn.Module):
             if self._value_reoptimizations > MAX_VALUE_REOPTIMIZATIONS:
                 self._event(failed, f"{RAN_ORIGINAL} (its weights keep changing between calls)")
                 return self.original(*args, **kwargs)
+        action = REOPTIMIZED
+        if failed.kind == CALL:
+            action = MADE_BATCH_DYNAMIC if settings is not self._settings else FOR_THIS_BATCH_SIZE
         self.__dict__["_settings"] = settings  # once a call brought another batch size, every later variant is dynamic
         variant, error = self._optimize_for_current_state(args, kwargs, remember_failure=failed.kind != CALL)
         if variant is None:
+            if action == FOR_THIS_BATCH_SIZE:
+                self._unoptimizable_batch_sizes.add(_batch_sizes(args, kwargs))
             self._event(failed, f"{RAN_ORIGINAL} (optimizing it again failed: {error})")
             return self.original(*args, **kwargs)
         self._variants.insert(0, variant)
-        self._event(failed, MADE_BATCH_DYNAMIC if failed.kind == CALL else REOPTIMIZED)
+        self._event(failed, action)
         return _run(variant, args, kwargs)
 
-    def _may_make_batch_dynamic(self, failed: Guard, args: tuple, kwargs: dict) -> bool:
-        """A call unlike the example only in its batch size, of at least 2 (export specializes 0 and 1), while
-        the variants are still exported for one batch size, and room for one more variant."""
-        return (not self._settings.get(DYNAMIC_BATCH_SETTING) and len(self._variants) < MAX_VARIANTS
-                and failed.expected.differs_only_in_batch(args, kwargs)
-                and all(t.dim() == 0 or t.shape[0] >= 2 for t in _torch_private.tree_leaves((args, kwargs))
-                        if isinstance(t, torch.Tensor)))
+    def _settings_for_another_batch(self, failed: Guard, args: tuple, kwargs: dict) -> dict | None:
+        """The settings to optimize again with for a call unlike the example only in its batch size, or None
+        (run the original): a batch of at least 2 makes the batch dimension dynamic, once, and that variant then
+        takes every such size; a batch of 0 or 1 (sizes export always specializes) gets a variant of its own."""
+        if not failed.expected.differs_only_in_batch(args, kwargs):
+            return None
+        sizes = _batch_sizes(args, kwargs)
+        if min(sizes, default=2) < 2:
+            return None if sizes in self._unoptimizable_batch_sizes else self._settings
+        if self._settings.get(DYNAMIC_BATCH_SETTING):
+            return None
+        return {**self._settings, DYNAMIC_BATCH_SETTING: True}
 
     def _optimize_for_current_state(self, args: tuple, kwargs: dict, *,
                                     remember_failure: bool = True) -> tuple[Variant | None, str]:
@@ -234,6 +248,12 @@ def _bound(variant: Variant, original: torch.nn.Module) -> BoundGuards:
     if variant.bound is None:
         variant.bound = variant.guards.bind(original)
     return variant.bound
+
+
+def _batch_sizes(args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """The sizes of dimension 0 of the call's tensors, each once, in order."""
+    return tuple(sorted({t.shape[0] for t in _torch_private.tree_leaves((args, kwargs))
+                         if isinstance(t, torch.Tensor) and t.dim() > 0}))
 
 
 def _run(variant: Variant, args: tuple, kwargs: dict):
