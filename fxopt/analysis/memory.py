@@ -15,7 +15,8 @@ live anyway and cost nothing (as in `fxopt.measure`).
   before p, plus the gradients of the tensors crossing p and of the trainable parameters it
   reads (`grad_live`: made before they accumulate into `.grad`);
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
-  on top of what is kept, while its backward starts;
+  on top of what is kept, while its backward starts; a region may keep the masks of its
+  dropouts and replay them (`Region.replay_dropout`, fxopt.analysis.dropout_replay);
 * the forward at p holds the kept tensors made so far and the tensors still to be read.
 
 The peak of the step is the largest of these. `segment_effect` is the one step of this
@@ -31,9 +32,10 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from .dropout_replay import replayed_dropout_p
 from .flops import node_flops
 from .grad_needs import analyze_grad_needs
-from .op_times import node_seconds
+from .op_times import node_seconds, replay_key
 from .ops import resolve
 from .saved_tensors import saved_bytes, saved_for_backward
 from .shapes import tensor_meta
@@ -56,6 +58,17 @@ class Step:
     flops: int  # forward FLOPs (FlopCounterMode)
     counted: bool  # a matmul / conv / attention: the ops a selective region saves
     seconds: float | None = None  # its forward's measured time (fxopt.analysis.op_times), if measured
+    mask: frozenset = frozenset()  # a dropout a region may replay: its mask's key (fxopt.analysis.dropout_replay)
+    replay_seconds: float | None = None  # the replay's measured time, if measured
+
+    @property
+    def replay_saving(self) -> int:
+        """What replaying this dropout from its mask saves over drawing it again, in recompute_cost's unit."""
+        if not self.mask:
+            return 0
+        if self.seconds is not None:
+            return max(0, round((self.seconds - self.replay_seconds) * 1e9))
+        return 0
 
     @property
     def recompute_cost(self) -> int:
@@ -71,11 +84,13 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Region:
-    """Steps [start, stop) recomputed in backward; `save_counted`: except matmul/conv/attention outputs."""
+    """Steps [start, stop) recomputed in backward; `save_counted`: except matmul/conv/attention outputs;
+    `replay_dropout`: its CPU dropouts keep their masks and replay from them (else they draw again)."""
 
     start: int
     stop: int
     save_counted: bool = False
+    replay_dropout: bool = True
 
 
 @dataclasses.dataclass
@@ -112,6 +127,8 @@ class StepProfile:
             keeps = frozenset().union(*(s.reads for s in steps)) - made
             if r.save_counted:
                 keeps |= frozenset().union(*(s.creates for s in steps if s.counted))
+            if r.replay_dropout:
+                keeps |= frozenset().union(*(s.mask for s in steps))
             recomputes = frozenset().union(*(s.saved for s in steps))
             self._regions[r] = (keeps, recomputes, self.bytes_of(recomputes))
         return self._regions[r]
@@ -120,7 +137,11 @@ class StepProfile:
         """Recompute cost of a region: every step's, less the counted ones a selective region keeps, plus
         the region's own overhead."""
         recomputed = self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
-        return recomputed + self.region_overhead
+        replayed = self._sum(self._replay_saving_prefix, r) if r.replay_dropout else 0
+        return recomputed - replayed + self.region_overhead
+
+    def has_replayable_dropout(self, r: Region) -> bool:
+        return any(s.mask for s in self.steps[r.start:r.stop])
 
     def region_flops(self, r: Region) -> int:
         return self._sum(self._flops_prefix, r) - (self._sum(self._counted_flops_prefix, r) if r.save_counted else 0)
@@ -131,6 +152,7 @@ class StepProfile:
         self._cost_prefix = list(itertools.accumulate((s.recompute_cost for s in self.steps), initial=0))
         self._counted_cost_prefix = list(itertools.accumulate((s.recompute_cost * s.counted for s in self.steps),
                                                               initial=0))
+        self._replay_saving_prefix = list(itertools.accumulate((s.replay_saving for s in self.steps), initial=0))
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_flops_prefix = list(itertools.accumulate((s.flops * s.counted for s in self.steps), initial=0))
 
@@ -245,9 +267,13 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
         reads = {_storage(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))} - free
         saved = _saved_keys(node, gm, free, nbytes) if node in needs_grad else set()
         creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
+        mask = _replay_mask(node, nbytes)
+        creates |= mask
+        timed = seconds is not None
         steps.append(Step(node, frozenset(creates), frozenset(reads & nbytes.keys()), frozenset(saved),
                           flops.get(node.name, 0), flops.get(node.name, 0) > 0,
-                          seconds.get(node.name, 0.0) if seconds is not None else None))
+                          seconds.get(node.name, 0.0) if timed else None, mask,
+                          seconds.get(replay_key(node.name), 0.0) if timed and mask else None))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -277,6 +303,15 @@ def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> s
         nbytes[key] = private
         keys.add(key)
     return keys
+
+
+def _replay_mask(node: fx.Node, nbytes: dict) -> frozenset:
+    """The bool mask a region keeps to replay a dropout (fxopt.analysis.dropout_replay), one byte an element."""
+    if replayed_dropout_p(node) is None:
+        return frozenset()
+    key = ("dropout_mask", node.name)
+    nbytes[key] = tensor_meta(node).numel()
+    return frozenset({key})
 
 
 def _output_nodes(gm: fx.GraphModule) -> list[fx.Node]:

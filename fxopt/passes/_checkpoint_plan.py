@@ -105,11 +105,14 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
         frontier[at].setdefault(held, []).append(label)
 
     def variants(start: int, stop: int) -> list[Region]:
-        """The allowed regions [start, stop): whole, and selective where it has a matmul to keep."""
+        """The allowed regions [start, stop): whole, and selective where it has a matmul to keep; with
+        dropouts, also whole with them drawn again (no mask kept: the least memory)."""
         if (start, stop) not in variants_cache:
             whole, selective = Region(start, stop), Region(start, stop, save_counted=True)
-            both = [whole] + ([selective] if profile.region_cost(selective) < profile.region_cost(whole) else [])
-            variants_cache[start, stop] = [r for r in both if allowed(r)]
+            tried = [whole] + ([selective] if profile.region_cost(selective) < profile.region_cost(whole) else [])
+            if profile.has_replayable_dropout(whole):
+                tried.append(Region(start, stop, replay_dropout=False))
+            variants_cache[start, stop] = [r for r in tried if allowed(r)]
         return variants_cache[start, stop]
 
     for i in range(n):

@@ -212,8 +212,10 @@ class CheckpointActivations(Pass):
         for region in regions:
             nodes = [s.node for s in profile.steps[region.start:region.stop]]
             name = _region_name(gm, profile, region)
-            call = extract_region(gm, nodes, name, region.save_counted)
+            call = extract_region(gm, nodes, name, region.save_counted, region.replay_dropout)
             kind_text = "selective (matmul/conv/attention outputs kept)" if region.save_counted else "whole"
+            if profile.has_replayable_dropout(region):
+                kind_text += ", dropout masks kept" if region.replay_dropout else ", dropout drawn again"
             result.record("checkpointed", call, detail=f"{len(nodes)} nodes {nodes[0].name}..{nodes[-1].name}, "
                                                        f"{kind_text}, frees {_frees(profile, region) / 1e6:.2f} MB, "
                                                        f"recomputes {profile.region_flops(region)} FLOPs")
