@@ -34,6 +34,15 @@ def test_timing_leaves_no_trace():
     assert torch.equal(rng, torch.get_rng_state())
 
 
+def test_region_overhead_is_measured_once():
+    """The per-region overhead is measured (positive, a selective region's per-op cost above a whole one's) and cached."""
+    from fxopt.analysis.region_overhead import region_overhead
+
+    first = region_overhead("cpu")
+    assert first is region_overhead("cpu")
+    assert first.per_region > 0 and first.selective_per_op >= first.per_op
+
+
 def test_predicted_peak_within_ten_percent():
     """The predicted step peak is within 10% of the allocator's, before and after checkpointing at 0.5."""
     torch.manual_seed(0)

@@ -36,13 +36,10 @@ from .dropout_replay import replayed_dropout_p
 from .flops import node_flops
 from .grad_needs import analyze_grad_needs
 from .op_times import node_seconds, replay_key
+from .region_overhead import RegionOverhead, region_overhead
 from .ops import resolve
 from .saved_tensors import saved_bytes, saved_for_backward
 from .shapes import tensor_meta
-
-# What a non-reentrant torch.utils.checkpoint region adds to a step beyond recomputing its ops (its
-# own forward wrapper, saved-tensor hooks, the recomputation's dispatch): ~0.6 ms measured on CPU.
-REGION_OVERHEAD_S = 5e-4
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
 
@@ -99,7 +96,7 @@ class StepProfile:
     nbytes: dict  # Key -> bytes
     last_read: dict  # Key -> position of its last reader (len(steps) for graph outputs)
     grad_live: list[int]  # bytes of gradients alive during the backward of each position
-    region_overhead: int = 0  # what one more checkpointed region costs, in recompute_cost's unit
+    overhead: RegionOverhead | None = None  # what regions cost beyond their ops (timed profiles only)
 
     @property
     def timed(self) -> bool:
@@ -138,7 +135,14 @@ class StepProfile:
         the region's own overhead."""
         recomputed = self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
         replayed = self._sum(self._replay_saving_prefix, r) if r.replay_dropout else 0
-        return recomputed - replayed + self.region_overhead
+        return recomputed - replayed + self._overhead_ns(r)
+
+    def _overhead_ns(self, r: Region) -> int:
+        if self.overhead is None:
+            return 0
+        o = self.overhead
+        per_region, per_op = (o.selective_per_region, o.selective_per_op) if r.save_counted else (o.per_region, o.per_op)
+        return round((per_region + per_op * (r.stop - r.start)) * 1e9)
 
     def has_replayable_dropout(self, r: Region) -> bool:
         return any(s.mask for s in self.steps[r.start:r.stop])
@@ -240,8 +244,9 @@ def _tensors(value) -> list[torch.Tensor]:
 def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
     """The steps of `gm` (see module docstring), or None if its FLOPs cannot be counted on fake tensors.
 
-    `timed`: price recomputation by each node's measured time (`fxopt.analysis.op_times`) plus
-    REGION_OVERHEAD_S per region, where the graph runs on real tensors; else by FLOPs."""
+    `timed`: price recomputation by each node's measured time (`fxopt.analysis.op_times`) plus what
+    a region costs beyond its ops (`fxopt.analysis.region_overhead`, measured once), where the graph
+    runs on real tensors; else by FLOPs."""
     flops = node_flops(gm)
     if flops is None:
         return None
@@ -285,8 +290,16 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
     grads = _gradient_bytes(calls, position, len(steps), needs_grad)
     trainable = frozenset(grad_needs.params_needing_grad)
     grads = [g + _parameter_gradient_bytes(node, gm, trainable) for g, node in zip(grads, calls)]
-    overhead = round(REGION_OVERHEAD_S * 1e9) if seconds is not None else 0
+    overhead = region_overhead(_device(gm)) if seconds is not None else None
     return StepProfile(steps, nbytes, last_read, grads, overhead)
+
+
+def _device(gm: fx.GraphModule) -> torch.device:
+    """Where the graph runs: its first tensor input's device (CPU if it has none)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        for t in _tensors(node.meta.get("val")):
+            return t.device
+    return torch.device("cpu")
 
 
 def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> set:
