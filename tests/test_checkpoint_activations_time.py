@@ -78,6 +78,20 @@ def test_predicted_peak_within_ten_percent_with_constant_padding():
     assert figures["peak_estimate_after"] == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.1)
 
 
+def test_predicted_peak_within_ten_percent_on_transformer_blocks():
+    """Attention, GELU MLPs and dropout replayed from masks: predicted peaks within 10% at budgets 0.5 and 0.3."""
+    from test_checkpoint_activations import TransformerBlock
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(*[TransformerBlock(64, 4) for _ in range(3)]).train(), torch.randn(8, 32, 64)
+    measured_before = measure_allocator_peak(model, (x,))
+    for budget in (0.5, 0.3):
+        opt = fxopt.optimize(model, (x,), mode="training", passes=["checkpoint_activations"], memory_budget=budget)
+        figures = opt.fxopt_report["checkpoint_activations"].figures
+        assert figures["peak_estimate_before"] == pytest.approx(measured_before, rel=0.1)
+        assert figures["peak_estimate_after"] == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.1), budget
+
+
 def _step_seconds(model, x, rounds: int) -> list[float]:
     times = []
     for _ in range(rounds):

@@ -15,7 +15,8 @@ live anyway and cost nothing (as in `fxopt.measure`).
   before p, plus the gradients of the tensors crossing p and of the trainable parameters it
   reads (`grad_live`: made before they accumulate into `.grad`);
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
-  on top of what is kept, while its backward starts; a region may keep the masks of its
+  on top of what is kept, while its backward starts, and each is freed after the backward of its
+  first holder, as the gradients inside the region come and go; a region may keep the masks of its
   dropouts and replay them (`Region.replay_dropout`, fxopt.analysis.dropout_replay);
 * the forward at p holds the kept tensors made so far and the tensors still to be read.
 
@@ -165,16 +166,33 @@ class StepProfile:
         key = (held, segment)
         if key not in self._deltas:
             if isinstance(segment, int):
-                keeps, extra, stop = self.steps[segment].saved, frozenset(), segment + 1
-                grads = self.grad_live[segment]
+                keeps, stop, above = self.steps[segment].saved, segment + 1, self.grad_live[segment]
             else:
                 keeps, stop = self.region_keeps(segment), segment.stop
-                # recomputation makes again what the steps save, and the last step's output on the way
-                extra = (self.region_recomputes(segment) | self.steps[stop - 1].creates) - keeps - held
-                grads = max(self.grad_live[segment.start:stop])
+                above = self._region_backward_peak(segment, keeps | held)
             still_read = frozenset(k for k in held | keeps if self.last_read[k] >= stop)
-            self._deltas[key] = (self.bytes_of(keeps - held), self.bytes_of(extra) + grads, still_read)
+            self._deltas[key] = (self.bytes_of(keeps - held), above, still_read)
         return self._deltas[key]
+
+    def _region_backward_peak(self, r: Region, counted: frozenset) -> int:
+        """Live bytes above `counted` during a region's backward: its recomputation makes again what its
+        steps save (and the last step's output on the way); each is freed after the backward of its
+        first holder, while the gradients at each step are alive and its backward makes a temporary the
+        size of its output (softmax, GELU: the old model's all-at-once bound hid these)."""
+        first_holder: dict = {}
+        for q in range(r.start, r.stop):
+            for k in self.steps[q].saved:
+                if k not in counted:
+                    first_holder.setdefault(k, q)
+        freed_at = [0] * (r.stop - r.start)
+        for k, q in first_holder.items():
+            freed_at[q - r.start] += self.nbytes[k]
+        last_output = self.bytes_of(self.steps[r.stop - 1].creates - counted - first_holder.keys())
+        alive, peak = 0, 0
+        for q in range(r.start, r.stop):  # alive at q's backward: what steps at or before q still hold,
+            alive += freed_at[q - r.start]  # the gradients, and a temporary the size of q's output
+            peak = max(peak, alive + self.grad_live[q] + self.bytes_of(self.steps[q].creates))
+        return max(peak, alive + last_output + self.grad_live[r.stop - 1])
 
     @staticmethod
     def _sum(prefix: list[int], r: Region) -> int:

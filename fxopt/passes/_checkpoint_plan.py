@@ -133,7 +133,10 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
                             add(stop, effect.held, _Label(effect.kept_bytes, label.cost + profile.region_cost(region),
                                                           max(label.peak, effect.peak), label.regions + (region,)))
         frontier[i] = {}  # done with this position
-    finals = [label for labels in frontier[n].values() for label in labels]
+    # the walk bounds the backward; the forward's peak (what is kept plus what is still to be read) is checked here
+    finals = [dataclasses.replace(label, peak=estimate(profile, label.regions).peak)
+              for labels in frontier[n].values() for label in labels]
+    finals = [label for label in finals if label.peak <= budget]
     if not finals:
         return None
     best = min(finals, key=(lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost)))
