@@ -24,7 +24,7 @@ dynamic program over region boundaries and both region kinds returns the cheapes
 the budget (a √n split would ignore both the prices and where the peak lands); if no plan
 fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning and the report's
 headline name the budget, that floor ("lowest reachable: 0.45x") and what keeps the step above
-it. A region that would free nothing is never made.
+it. A region that would free nothing (no saved bytes, no lower peak) is never made.
 
 Why it is safe: a recomputed region computes the same values from the same inputs; the
 non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
@@ -202,7 +202,9 @@ class CheckpointActivations(Pass):
                                           f"reachable {lowest / before.peak:.2f}x of the step peak "
                                           f"({lowest / 1e6:.2f} MB); {why}")
             warnings.warn(f"fxopt: {result.figures['headline']}", stacklevel=2)
-        regions = tuple(r for r in regions if _frees(profile, r) > 0)  # a region that frees nothing only costs
+        useful = tuple(r for r in regions if _frees(profile, r) > 0)  # a region that frees nothing only costs,
+        if estimate(profile, useful).peak <= estimate(profile, regions).peak:  # unless it lowers the peak
+            regions = useful
         for (value, writer), region in conflicts.items():
             first, last = profile.steps[region.start].node.name, profile.steps[region.stop - 1].node.name
             result.record("refused", value, "kept_tensor_written_later",
