@@ -12,8 +12,10 @@ Per model (Hugging Face, built from small configs with random weights, wrapped t
 
 Peak = the allocator's live bytes during one step (`fxopt.measure.measure_allocator_peak`, after a
 warm-up step; parameter gradients exist before it), as a ratio of eager's. Step time = median of
-interleaved rounds (every variant once per round), as a ratio of eager's. optimize() = wall time
-of fxopt.optimize. CPU times on a shared machine carry +-10-20% noise; peaks are deterministic.
+interleaved rounds (every variant once per round) of the calling thread's CPU time
+(`time.thread_time()`, with `torch.set_num_threads(1)`, so other processes' load on a shared
+machine does not inflate it), as a ratio of eager's. optimize() = wall time of fxopt.optimize.
+Peaks are deterministic.
 
     python benchmarks/checkpoint_vs_peers.py [--models bert,gpt2] [--rounds 3] [--compile]
 """
@@ -83,10 +85,10 @@ def _peak(forward, module, x) -> int:
 
 
 def _timed(forward, module, x) -> float:
-    start = time.perf_counter()
+    start = time.thread_time()  # this thread's CPU time: with one torch thread, all of the step's work
     _loss_step(forward, x).backward()
     module.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return time.thread_time() - start
 
 
 def run_model(name, factory, x, blocks_path, rounds, with_compile):

@@ -15,7 +15,9 @@ live anyway and cost nothing (as in `fxopt.measure`).
   before p, plus the gradients of the tensors crossing p and of the trainable parameters it
   reads (`grad_live`: made before they accumulate into `.grad`);
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
-  on top of what is kept, while its backward starts;
+  on top of what is kept, while its backward starts, and each is freed after the backward of its
+  first holder, as the gradients inside the region come and go; a region may keep the masks of its
+  dropouts and replay them (`Region.replay_dropout`, fxopt.analysis.dropout_replay);
 * the forward at p holds the kept tensors made so far and the tensors still to be read.
 
 The peak of the step is the largest of these. `segment_effect` is the one step of this
@@ -31,16 +33,14 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from .dropout_replay import replayed_dropout_p
 from .flops import node_flops
 from .grad_needs import analyze_grad_needs
-from .op_times import node_seconds
+from .op_times import node_seconds, replay_key
+from .region_overhead import RegionOverhead, region_overhead
 from .ops import resolve
 from .saved_tensors import saved_bytes, saved_for_backward
 from .shapes import tensor_meta
-
-# What a non-reentrant torch.utils.checkpoint region adds to a step beyond recomputing its ops (its
-# own forward wrapper, saved-tensor hooks, the recomputation's dispatch): ~0.6 ms measured on CPU.
-REGION_OVERHEAD_S = 5e-4
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
 
@@ -56,6 +56,17 @@ class Step:
     flops: int  # forward FLOPs (FlopCounterMode)
     counted: bool  # a matmul / conv / attention: the ops a selective region saves
     seconds: float | None = None  # its forward's measured time (fxopt.analysis.op_times), if measured
+    mask: frozenset = frozenset()  # a dropout a region may replay: its mask's key (fxopt.analysis.dropout_replay)
+    replay_seconds: float | None = None  # the replay's measured time, if measured
+
+    @property
+    def replay_saving(self) -> int:
+        """What replaying this dropout from its mask saves over drawing it again, in recompute_cost's unit."""
+        if not self.mask:
+            return 0
+        if self.seconds is not None:
+            return max(0, round((self.seconds - self.replay_seconds) * 1e9))
+        return 0
 
     @property
     def recompute_cost(self) -> int:
@@ -71,11 +82,13 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Region:
-    """Steps [start, stop) recomputed in backward; `save_counted`: except matmul/conv/attention outputs."""
+    """Steps [start, stop) recomputed in backward; `save_counted`: except matmul/conv/attention outputs;
+    `replay_dropout`: its CPU dropouts keep their masks and replay from them (else they draw again)."""
 
     start: int
     stop: int
     save_counted: bool = False
+    replay_dropout: bool = True
 
 
 @dataclasses.dataclass
@@ -84,7 +97,7 @@ class StepProfile:
     nbytes: dict  # Key -> bytes
     last_read: dict  # Key -> position of its last reader (len(steps) for graph outputs)
     grad_live: list[int]  # bytes of gradients alive during the backward of each position
-    region_overhead: int = 0  # what one more checkpointed region costs, in recompute_cost's unit
+    overhead: RegionOverhead | None = None  # what regions cost beyond their ops (timed profiles only)
 
     @property
     def timed(self) -> bool:
@@ -112,6 +125,8 @@ class StepProfile:
             keeps = frozenset().union(*(s.reads for s in steps)) - made
             if r.save_counted:
                 keeps |= frozenset().union(*(s.creates for s in steps if s.counted))
+            if r.replay_dropout:
+                keeps |= frozenset().union(*(s.mask for s in steps))
             recomputes = frozenset().union(*(s.saved for s in steps))
             self._regions[r] = (keeps, recomputes, self.bytes_of(recomputes))
         return self._regions[r]
@@ -120,7 +135,18 @@ class StepProfile:
         """Recompute cost of a region: every step's, less the counted ones a selective region keeps, plus
         the region's own overhead."""
         recomputed = self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
-        return recomputed + self.region_overhead
+        replayed = self._sum(self._replay_saving_prefix, r) if r.replay_dropout else 0
+        return recomputed - replayed + self._overhead_ns(r)
+
+    def _overhead_ns(self, r: Region) -> int:
+        if self.overhead is None:
+            return 0
+        o = self.overhead
+        per_region, per_op = (o.selective_per_region, o.selective_per_op) if r.save_counted else (o.per_region, o.per_op)
+        return round((per_region + per_op * (r.stop - r.start)) * 1e9)
+
+    def has_replayable_dropout(self, r: Region) -> bool:
+        return any(s.mask for s in self.steps[r.start:r.stop])
 
     def region_flops(self, r: Region) -> int:
         return self._sum(self._flops_prefix, r) - (self._sum(self._counted_flops_prefix, r) if r.save_counted else 0)
@@ -131,6 +157,7 @@ class StepProfile:
         self._cost_prefix = list(itertools.accumulate((s.recompute_cost for s in self.steps), initial=0))
         self._counted_cost_prefix = list(itertools.accumulate((s.recompute_cost * s.counted for s in self.steps),
                                                               initial=0))
+        self._replay_saving_prefix = list(itertools.accumulate((s.replay_saving for s in self.steps), initial=0))
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_flops_prefix = list(itertools.accumulate((s.flops * s.counted for s in self.steps), initial=0))
 
@@ -139,16 +166,33 @@ class StepProfile:
         key = (held, segment)
         if key not in self._deltas:
             if isinstance(segment, int):
-                keeps, extra, stop = self.steps[segment].saved, frozenset(), segment + 1
-                grads = self.grad_live[segment]
+                keeps, stop, above = self.steps[segment].saved, segment + 1, self.grad_live[segment]
             else:
                 keeps, stop = self.region_keeps(segment), segment.stop
-                # recomputation makes again what the steps save, and the last step's output on the way
-                extra = (self.region_recomputes(segment) | self.steps[stop - 1].creates) - keeps - held
-                grads = max(self.grad_live[segment.start:stop])
+                above = self._region_backward_peak(segment, keeps | held)
             still_read = frozenset(k for k in held | keeps if self.last_read[k] >= stop)
-            self._deltas[key] = (self.bytes_of(keeps - held), self.bytes_of(extra) + grads, still_read)
+            self._deltas[key] = (self.bytes_of(keeps - held), above, still_read)
         return self._deltas[key]
+
+    def _region_backward_peak(self, r: Region, counted: frozenset) -> int:
+        """Live bytes above `counted` during a region's backward: its recomputation makes again what its
+        steps save (and the last step's output on the way); each is freed after the backward of its
+        first holder, while the gradients at each step are alive and its backward makes a temporary the
+        size of its output (softmax, GELU: the old model's all-at-once bound hid these)."""
+        first_holder: dict = {}
+        for q in range(r.start, r.stop):
+            for k in self.steps[q].saved:
+                if k not in counted:
+                    first_holder.setdefault(k, q)
+        freed_at = [0] * (r.stop - r.start)
+        for k, q in first_holder.items():
+            freed_at[q - r.start] += self.nbytes[k]
+        last_output = self.bytes_of(self.steps[r.stop - 1].creates - counted - first_holder.keys())
+        alive, peak = 0, 0
+        for q in range(r.start, r.stop):  # alive at q's backward: what steps at or before q still hold,
+            alive += freed_at[q - r.start]  # the gradients, and a temporary the size of q's output
+            peak = max(peak, alive + self.grad_live[q] + self.bytes_of(self.steps[q].creates))
+        return max(peak, alive + last_output + self.grad_live[r.stop - 1])
 
     @staticmethod
     def _sum(prefix: list[int], r: Region) -> int:
@@ -218,8 +262,9 @@ def _tensors(value) -> list[torch.Tensor]:
 def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
     """The steps of `gm` (see module docstring), or None if its FLOPs cannot be counted on fake tensors.
 
-    `timed`: price recomputation by each node's measured time (`fxopt.analysis.op_times`) plus
-    REGION_OVERHEAD_S per region, where the graph runs on real tensors; else by FLOPs."""
+    `timed`: price recomputation by each node's measured time (`fxopt.analysis.op_times`) plus what
+    a region costs beyond its ops (`fxopt.analysis.region_overhead`, measured once), where the graph
+    runs on real tensors; else by FLOPs."""
     flops = node_flops(gm)
     if flops is None:
         return None
@@ -245,9 +290,13 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
         reads = {_storage(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))} - free
         saved = _saved_keys(node, gm, free, nbytes) if node in needs_grad else set()
         creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
+        mask = _replay_mask(node, nbytes)
+        creates |= mask
+        timed = seconds is not None
         steps.append(Step(node, frozenset(creates), frozenset(reads & nbytes.keys()), frozenset(saved),
                           flops.get(node.name, 0), flops.get(node.name, 0) > 0,
-                          seconds.get(node.name, 0.0) if seconds is not None else None))
+                          seconds.get(node.name, 0.0) if timed else None, mask,
+                          seconds.get(replay_key(node.name), 0.0) if timed and mask else None))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -259,8 +308,16 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
     grads = _gradient_bytes(calls, position, len(steps), needs_grad)
     trainable = frozenset(grad_needs.params_needing_grad)
     grads = [g + _parameter_gradient_bytes(node, gm, trainable) for g, node in zip(grads, calls)]
-    overhead = round(REGION_OVERHEAD_S * 1e9) if seconds is not None else 0
+    overhead = region_overhead(_device(gm)) if seconds is not None else None
     return StepProfile(steps, nbytes, last_read, grads, overhead)
+
+
+def _device(gm: fx.GraphModule) -> torch.device:
+    """Where the graph runs: its first tensor input's device (CPU if it has none)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        for t in _tensors(node.meta.get("val")):
+            return t.device
+    return torch.device("cpu")
 
 
 def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> set:
@@ -277,6 +334,15 @@ def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> s
         nbytes[key] = private
         keys.add(key)
     return keys
+
+
+def _replay_mask(node: fx.Node, nbytes: dict) -> frozenset:
+    """The bool mask a region keeps to replay a dropout (fxopt.analysis.dropout_replay), one byte an element."""
+    if replayed_dropout_p(node) is None:
+        return frozenset()
+    key = ("dropout_mask", node.name)
+    nbytes[key] = tensor_meta(node).numel()
+    return frozenset({key})
 
 
 def _output_nodes(gm: fx.GraphModule) -> list[fx.Node]:

@@ -4,7 +4,10 @@
 placeholders' `node.meta["val"]` (floating inputs random, integer and bool inputs zero, so that
 every index is valid), under `torch.no_grad()` -- as a checkpointed region recomputes, the same
 kernels -- and returns {node name: the fastest of its runs} (the first run pays one-time costs; the
-fastest drops it). FLOPs (fxopt.analysis.flops)
+fastest drops it), and for a dropout a region may replay from a kept mask
+(fxopt.analysis.dropout_replay) the replay's time under `replay_key(name)`. With one torch thread
+it times the thread's CPU time (`step_clock`): wall time on a loaded machine counted other
+processes' work (HF BERT's nodes summed to 2.5x its real forward). FLOPs (fxopt.analysis.flops)
 price a layer norm, a softmax or a dropout at nothing; on a real model those memory-bound ops
 are a large part of what recomputation costs, which only a clock sees.
 
@@ -22,6 +25,7 @@ import torch.fx as fx
 
 from ..state_preservation import preserved_state
 from .costs import placeholder_values
+from .dropout_replay import replay, replayed_dropout_p
 
 ROUNDS = 2  # the fastest of two runs per node: the first warms up, the second is what a step pays
 
@@ -36,22 +40,44 @@ def _real_like(value):
     return torch.zeros(shape, dtype=value.dtype, device=value.device)
 
 
+def step_clock():
+    """The clock to time CPU work by: the calling thread's CPU time when torch runs one thread (all the
+    work is on this thread, and other processes' load on a shared machine does not count), else wall time."""
+    on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return time.thread_time if torch.get_num_threads() == 1 and not on_gpu else time.perf_counter
+
+
 class _Timed(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, seconds: dict[str, float]):
         super().__init__(gm)
         self.seconds = seconds
         self.sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.clock = step_clock()
 
     def run_node(self, n: fx.Node):
         if n.op in ("placeholder", "get_attr", "output"):
             return super().run_node(n)
-        start = time.perf_counter()
-        out = super().run_node(n)
+        out = self._timed(n.name, lambda: super(_Timed, self).run_node(n))
+        p = replayed_dropout_p(n)
+        if p is not None:  # a region may recompute it from a kept mask instead
+            x = self.env[n.all_input_nodes[0]]
+            mask = torch.ones_like(x, dtype=torch.bool)
+            self._timed(replay_key(n.name), lambda: replay(x, mask, p))
+        return out
+
+    def _timed(self, key: str, run):
+        start = self.clock()
+        out = run()
         if self.sync is not None:
             self.sync()
-        elapsed = time.perf_counter() - start
-        self.seconds[n.name] = min(self.seconds.get(n.name, elapsed), elapsed)
+        elapsed = self.clock() - start
+        self.seconds[key] = min(self.seconds.get(key, elapsed), elapsed)
         return out
+
+
+def replay_key(name: str) -> str:
+    """Where node_seconds puts the time of replaying dropout `name` from its mask (fxopt.analysis.dropout_replay)."""
+    return f"{name}:replay"
 
 
 def node_seconds(gm: fx.GraphModule) -> dict[str, float] | None:

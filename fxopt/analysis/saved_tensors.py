@@ -89,8 +89,9 @@ _TABLE: dict[str, _Rule] = {
     **dict.fromkeys(["hardtanh", "relu6", "leaky_relu", "elu", "hardswish", "silu", "gelu", "mish", "softplus",
                      "hardsigmoid", "abs", "log", "square", "avg_pool1d", "avg_pool2d", "avg_pool3d"],
                     _KEEPS_INPUT),
-    # reflect / replicate padding keeps its input (constant padding keeps nothing: the table errs on keeping)
+    # reflect / replicate padding keeps its input (constant padding keeps nothing: _constant_pad)
     "pad": _KEEPS_INPUT,
+    "constant_pad_nd": _KEEPS_NOTHING,
     # a power keeps its tensor operands, and its result when the exponent is a tensor
     "pow": _Rule(output=_exponent_is_tensor, inputs=ALL),
     # max pooling keeps its input and the int64 argmax indices
@@ -120,6 +121,14 @@ _TABLE: dict[str, _Rule] = {
                      "new_ones", "new_full", "new_empty", "scalar_tensor"], _KEEPS_NOTHING),
 }
 
+def _constant_pad(node: fx.Node) -> bool:
+    """`F.pad` / `aten.pad` in constant mode (the default): its backward slices, keeping nothing."""
+    if node.op != "call_function":
+        return False
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    return mode == "constant"
+
+
 def _rule(node: fx.Node, gm: fx.GraphModule) -> _Rule | None:
     """What an fxopt graph helper is declared to save, the table's rule for `node`, the view rule for
     an ATen view, or None for an unknown op."""
@@ -127,6 +136,8 @@ def _rule(node: fx.Node, gm: fx.GraphModule) -> _Rule | None:
     if helper is not None and helper.saves is not None:
         return _Rule(extra=helper.saves)
     name = op_name(node, gm)
+    if name == "pad" and _constant_pad(node):
+        return _KEEPS_NOTHING
     if name in _TABLE:
         return _TABLE[name]
     aliased = _torch_private.aliased_argument(node.target) if node.op == "call_function" else None

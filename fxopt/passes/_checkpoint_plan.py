@@ -105,11 +105,14 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
         frontier[at].setdefault(held, []).append(label)
 
     def variants(start: int, stop: int) -> list[Region]:
-        """The allowed regions [start, stop): whole, and selective where it has a matmul to keep."""
+        """The allowed regions [start, stop): whole, and selective where it has a matmul to keep; with
+        dropouts, also whole with them drawn again (no mask kept: the least memory)."""
         if (start, stop) not in variants_cache:
             whole, selective = Region(start, stop), Region(start, stop, save_counted=True)
-            both = [whole] + ([selective] if profile.region_cost(selective) < profile.region_cost(whole) else [])
-            variants_cache[start, stop] = [r for r in both if allowed(r)]
+            tried = [whole] + ([selective] if profile.region_cost(selective) < profile.region_cost(whole) else [])
+            if profile.has_replayable_dropout(whole):
+                tried.append(Region(start, stop, replay_dropout=False))
+            variants_cache[start, stop] = [r for r in tried if allowed(r)]
         return variants_cache[start, stop]
 
     for i in range(n):
@@ -130,7 +133,10 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
                             add(stop, effect.held, _Label(effect.kept_bytes, label.cost + profile.region_cost(region),
                                                           max(label.peak, effect.peak), label.regions + (region,)))
         frontier[i] = {}  # done with this position
-    finals = [label for labels in frontier[n].values() for label in labels]
+    # the walk bounds the backward; the forward's peak (what is kept plus what is still to be read) is checked here
+    finals = [dataclasses.replace(label, peak=estimate(profile, label.regions).peak)
+              for labels in frontier[n].values() for label in labels]
+    finals = [label for label in finals if label.peak <= budget]
     if not finals:
         return None
     best = min(finals, key=(lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost)))

@@ -10,7 +10,8 @@ region's first run, and on a recomputation in train mode the same aten op on thr
 the running statistics, so they move once per step, as without checkpointing, and checkpoint sees
 the same ops and saved tensors on both runs. With `save_counted`, a selective checkpoint policy
 also keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and
-recomputes only the rest.
+recomputes only the rest. A train-mode dropout on CPU runs as `dropout_once`: the mask its first run
+draws is kept, and a recomputation rebuilds the noise from it (fxopt.analysis.dropout_replay).
 
 The body's modules and tensors are the parent graph's own (not registered a second time), so
 `state_dict()` keeps the original keys. Before / after::
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..analysis.dropout_replay import draw, replay, replayed_dropout_p
 from ..analysis.flops import is_counted_op
 from ..graph_functions import graph_function
 
@@ -73,12 +75,22 @@ def batch_norm_once(x, running_mean, running_var, weight, bias, training, moment
     return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
 
 
+@graph_function(name="dropout")
+def dropout_once(x: torch.Tensor, p: float, key: str, run: RegionRun) -> torch.Tensor:
+    """A train-mode CPU dropout in a region (fxopt.analysis.dropout_replay): the first run draws the noise as
+    ATen does and keeps its mask, a recomputation rebuilds the noise from the mask instead of drawing it."""
+    if run.first:
+        out, run.scratch[key] = draw(x, p)
+        return out
+    return replay(x, run.scratch[key], p)
+
 
 class CheckpointedRegion(torch.nn.Module):
     """Runs `body` under non-reentrant checkpoint; selective (matmul/conv/attention outputs kept) if `save_counted`.
 
-    A body that runs BatchNorm takes a first argument, the `RegionRun` saying whether this is the
-    first run (the forward) or a recomputation, so running statistics are updated once.
+    A body that runs BatchNorm or replays dropout takes a first argument, the `RegionRun` saying whether
+    this is the first run (the forward) or a recomputation, so running statistics are updated once and
+    dropout noise is drawn once.
     """
 
     def __init__(self, body: fx.GraphModule, save_counted: bool, takes_run: bool):
@@ -133,8 +145,10 @@ def is_lone_state_update(node: fx.Node) -> bool:
             and all(a.op == "get_attr" and set(a.users) == {node} for a in node.all_input_nodes))
 
 
-def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_counted: bool) -> fx.Node:
+def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_counted: bool,
+                   replay_dropout: bool = True) -> fx.Node:
     """Replace `nodes` (contiguous in graph order) with one call of a CheckpointedRegion; return that call.
+    `replay_dropout`: its CPU dropouts keep their masks (dropout_once), else they draw again.
 
     Lone state updates among them (is_lone_state_update) move in front of the call, run once."""
     updates = [n for n in nodes if is_lone_state_update(n)]
@@ -144,7 +158,8 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
     members = set(nodes)
     body = fx.Graph()
     batch_norms = {n for n in nodes if can_recompute_batch_norm(n, gm)}
-    run = body.placeholder("run") if batch_norms else None
+    dropouts = {n: p for n in nodes if replay_dropout and (p := replayed_dropout_p(n)) is not None}
+    run = body.placeholder("run") if batch_norms or dropouts else None
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[fx.Node] = []
     for node in nodes:
@@ -160,11 +175,15 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
         if node in batch_norms:
             env[node] = _batch_norm_once_call(body, node, gm, env, run)
             env[node].meta.update(node.meta)
+        elif node in dropouts:
+            env[node] = body.call_function(dropout_once, (env[node.all_input_nodes[0]], dropouts[node], node.name, run))
+            env[node].meta.update(node.meta)
         else:
             env[node] = body.node_copy(node, lambda a: env[a])
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
-    gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, "Region"), save_counted, bool(batch_norms)))
+    gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, "Region"), save_counted,
+                                                  bool(batch_norms or dropouts)))
     with gm.graph.inserting_before(nodes[0]):
         call = gm.graph.call_module(name, tuple(inputs))
         if len(outputs) == 1:

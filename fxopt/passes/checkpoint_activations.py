@@ -17,13 +17,14 @@ is freed in backward, the gradients in flight, and the moment a region is recomp
 everything still kept -- where the peak of a checkpointed step usually lands, and what a plan
 that only counts bytes saved at the end of forward misses. Recomputation is priced in time:
 each node's forward measured on real tensors shaped like the example (fxopt.analysis.op_times;
-FLOPs where the graph cannot run so), plus a fixed overhead per region, so the plan with the
+FLOPs where the graph cannot run so), plus what a region costs beyond its ops, measured once
+(fxopt.analysis.region_overhead: per region, and per op it holds), so the plan with the
 lowest predicted step time whose predicted peak fits is chosen (figure `predicted_recompute_s`). An exact
 dynamic program over region boundaries and both region kinds returns the cheapest plan under
 the budget (a √n split would ignore both the prices and where the peak lands); if no plan
 fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning and the report's
 headline name the budget, that floor ("lowest reachable: 0.45x") and what keeps the step above
-it. A region that would free nothing is never made.
+it. A region that would free nothing (no saved bytes, no lower peak) is never made.
 
 Why it is safe: a recomputed region computes the same values from the same inputs; the
 non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
@@ -200,7 +201,9 @@ class CheckpointActivations(Pass):
                                           f"reachable {lowest / before.peak:.2f}x of the step peak "
                                           f"({lowest / 1e6:.2f} MB); {why}")
             warnings.warn(f"fxopt: {result.figures['headline']}", stacklevel=2)
-        regions = tuple(r for r in regions if _frees(profile, r) > 0)  # a region that frees nothing only costs
+        useful = tuple(r for r in regions if _frees(profile, r) > 0)  # a region that frees nothing only costs,
+        if estimate(profile, useful).peak <= estimate(profile, regions).peak:  # unless it lowers the peak
+            regions = useful
         for (value, writer), region in conflicts.items():
             first, last = profile.steps[region.start].node.name, profile.steps[region.stop - 1].node.name
             result.record("refused", value, "kept_tensor_written_later",
@@ -211,8 +214,10 @@ class CheckpointActivations(Pass):
         for region in regions:
             nodes = [s.node for s in profile.steps[region.start:region.stop]]
             name = _region_name(gm, profile, region)
-            call = extract_region(gm, nodes, name, region.save_counted)
+            call = extract_region(gm, nodes, name, region.save_counted, region.replay_dropout)
             kind_text = "selective (matmul/conv/attention outputs kept)" if region.save_counted else "whole"
+            if profile.has_replayable_dropout(region):
+                kind_text += ", dropout masks kept" if region.replay_dropout else ", dropout drawn again"
             result.record("checkpointed", call, detail=f"{len(nodes)} nodes {nodes[0].name}..{nodes[-1].name}, "
                                                        f"{kind_text}, frees {_frees(profile, region) / 1e6:.2f} MB, "
                                                        f"recomputes {profile.region_flops(region)} FLOPs")

@@ -1,0 +1,50 @@
+"""Dropout a checkpointed region replays from its kept noise instead of drawing it again.
+
+On CPU `aten.dropout(x, p, train=True)` is `noise = empty_like(x).bernoulli_(1 - p).div_(1 - p);
+x * noise` (ATen's `_dropout_impl`), and autograd keeps `noise` for the backward anyway. Drawing
+the noise is most of the op's time (on HF BERT, a fifth of the forward), so a region that
+recomputes a dropout keeps which elements its first run dropped, as a bool mask
+(`RegionRun.scratch`; a quarter of float32 noise), and its recomputation rebuilds the noise from
+it: the same values (0 or 1, divided by 1 - p), the same saved tensor, the same RNG stream (the
+first run issues exactly ATen's ops). Elsewhere (CUDA's fused `native_dropout`, a
+flag or probability computed in the graph, in-place dropout) the dropout is recomputed as it is.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
+
+from .shapes import tensor_meta
+
+DROPOUT_FUNCTIONS = (torch.ops.aten.dropout.default, F.dropout, torch.dropout)
+
+
+def replayed_dropout_p(node: fx.Node) -> float | None:
+    """The probability of a train-mode CPU dropout `node` a region replays from its noise, else None."""
+    if node.op != "call_function" or node.target not in DROPOUT_FUNCTIONS:
+        return None
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    if normalized is None:
+        return None
+    kwargs = normalized.kwargs
+    p, training = kwargs.get("p", 0.5), kwargs.get("train", kwargs.get("training", True))
+    val = tensor_meta(node)
+    if (kwargs.get("inplace", False) is not False or training is not True or isinstance(p, fx.Node)
+            or not 0 < p < 1 or val is None or val.device.type != "cpu" or not val.is_floating_point()):
+        return None
+    return float(p)
+
+
+def draw(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ATen's CPU dropout of `x`, the bool mask of the elements it kept): the same ops, so the same RNG stream."""
+    noise = torch.empty_like(x)
+    noise.bernoulli_(1 - p)
+    mask = noise.bool()
+    return x * noise.div_(1 - p), mask
+
+
+def replay(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """The dropout `draw` returned, again, from its mask: the same noise times `x`."""
+    return x * mask.to(x.dtype).div_(1 - p)
