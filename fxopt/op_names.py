@@ -69,7 +69,7 @@ def is_inplace_call(target, args: tuple = (), kwargs: dict | None = None) -> boo
     return not isinstance(target, str) and bound_argument(target, args, kwargs or {}, "inplace", False) is not False
 
 
-def op_name(node: fx.Node, gm: fx.GraphModule) -> str | None:
+def op_name(node: fx.Node) -> str | None:
     """The op a node computes, the same name in every form ("relu", "conv2d", "relu_"), or None.
 
     In-place forms get a trailing underscore (`x.relu_()`, `F.relu(x, inplace=True)`:

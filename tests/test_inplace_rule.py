@@ -42,6 +42,6 @@ def test_aliasing_and_effects_agree_on_in_place(case):
     node = graph.create_node(op, target, (x, *(y if a == "y" else a for a in rest)), kwargs)
     graph.output(node)
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert is_inplace_op(op_name(node, gm)) is in_place
-    assert (aliased_inputs(node, gm) == [x]) is in_place
+    assert is_inplace_op(op_name(node)) is in_place
+    assert (aliased_inputs(node) == [x]) is in_place
     assert (MUTATION in effects(node, gm)) is in_place

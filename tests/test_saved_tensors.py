@@ -156,8 +156,8 @@ def _assert_table_matches_autograd(gm: fx.GraphModule, inputs: tuple, check_byte
     for node in gm.graph.nodes:
         if node in prelude or node.op == "output":
             continue
-        saved = saved_for_backward(node, gm)
-        assert saved.known, f"{node.name} ({op_name(node, gm)}) is not in the table"
+        saved = saved_for_backward(node)
+        assert saved.known, f"{node.name} ({op_name(node)}) is not in the table"
         expected = {_storage(recorder.values[n]) for n in saved.saved_inputs}
         if saved.saves_output:
             expected.add(_storage(recorder.values[node]))
@@ -165,15 +165,15 @@ def _assert_table_matches_autograd(gm: fx.GraphModule, inputs: tuple, check_byte
         node_storages = {_storage(v) for v in recorder.values.values()}
         actual = {_storage(t) for t in packed} & node_storages - constants
         checked += 1
-        if op_name(node, gm) in _KERNEL_DEPENDENT:
+        if op_name(node) in _KERNEL_DEPENDENT:
             assert actual <= expected - constants, f"{node.name}: autograd keeps {actual}, table says {expected}"
             continue
         assert actual == expected - constants, f"{node.name}: autograd keeps {actual}, table says {expected}"
-        if check_bytes and op_name(node, gm) not in _APPROXIMATE_BYTES:
+        if check_bytes and op_name(node) not in _APPROXIMATE_BYTES:
             sizes = {_storage(t): t.untyped_storage().nbytes() for t in packed}  # each storage once
             extra = sum(n for key, n in sizes.items() if key not in node_storages | constants)
             mine = sum(n for key, n in sizes.items() if key in actual)
-            assert saved_bytes(node, gm) == mine + extra, f"{node.name}: saved_bytes is off"
+            assert saved_bytes(node) == mine + extra, f"{node.name}: saved_bytes is off"
     assert checked
 
 
@@ -190,7 +190,7 @@ def test_unknown_op_is_assumed_to_keep_everything():
     """An op outside the table is `known=False`, keeping its output and every tensor input."""
     gm = function_form(Case(lambda m, x, y: opaque(x, y)))
     node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is opaque)
-    saved = saved_for_backward(node, gm)
+    saved = saved_for_backward(node)
     assert (saved.known, saved.saves_output, len(saved.saved_inputs)) == (False, True, 2)
 
 
@@ -198,8 +198,8 @@ def test_eval_dropout_keeps_nothing():
     """A dropout with training=False keeps no mask, so saved_bytes is 0."""
     module = unary(lambda m, x: m[0](x), nn.Dropout(0.5)).eval()
     gm = function_form(module, _square() + _square())
-    node = next(n for n in gm.graph.nodes if op_name(n, gm) == "dropout")
-    assert saved_bytes(node, gm) == 0
+    node = next(n for n in gm.graph.nodes if op_name(n) == "dropout")
+    assert saved_bytes(node) == 0
 
 
 def test_module_call_is_unknown():
@@ -207,8 +207,7 @@ def test_module_call_is_unknown():
     graph = fx.Graph()
     node = graph.call_module("act", (graph.placeholder("x"),))
     graph.output(node)
-    gm = fx.GraphModule(nn.ModuleDict({"act": nn.ReLU()}), graph)
-    assert op_name(node, gm) is None and not saved_for_backward(node, gm).known
+    assert op_name(node) is None and not saved_for_backward(node).known
 
 
 # ---- the ATen form (torch.export's training IR, what fxopt.optimize captures) ----
@@ -232,7 +231,7 @@ def test_table_matches_autograd_on_exported_graphs(name):
 def test_op_name_of_aten_overloads(op, expected):
     """An ATen overload is named by its op, without namespace or overload: `aten.relu_.default` is "relu_"."""
     gm = torch.export.export(Case(lambda m, x, y: op(x)), _square() + _square(), strict=False).module()
-    names = [op_name(n, gm) for n in gm.graph.nodes if n.op == "call_function"]
+    names = [op_name(n) for n in gm.graph.nodes if n.op == "call_function"]
     assert names[-1] == expected
 
 
@@ -240,6 +239,6 @@ def test_aten_view_not_in_the_table_keeps_nothing():
     """An ATen op whose schema says it returns a view (`aten.alias`) keeps nothing, though the table omits it."""
     gm = torch.export.export(Case(lambda m, x, y: torch.ops.aten.alias(x)), _square() + _square(),
                              strict=False).module()
-    node = next(n for n in gm.graph.nodes if op_name(n, gm) == "alias")
-    saved = saved_for_backward(node, gm)
+    node = next(n for n in gm.graph.nodes if op_name(n) == "alias")
+    saved = saved_for_backward(node)
     assert (saved.known, saved.saves_output, saved.saved_inputs) == (True, False, ())

@@ -42,8 +42,8 @@ class ActivationCall:
         return getattr(F, self.kind), (self.input, *self.params.values()), {"inplace": True}
 
 
-def match_activation(node: fx.Node, gm: fx.GraphModule) -> ActivationCall | None:
-    name = op_name(node, gm)
+def match_activation(node: fx.Node) -> ActivationCall | None:
+    name = op_name(node)
     if name is None or not node.args:
         return None
     inplace = name.endswith("_")

@@ -36,7 +36,7 @@ _METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "requires_grad"
 
 def is_metadata_read(node: fx.Node) -> bool:
     """`x.size()`, `x.shape`, `x.dtype`...: the node reads no tensor values."""
-    name = node.op in ("call_method", "call_function") and op_name(node, node.graph.owning_module)
+    name = node.op in ("call_method", "call_function") and op_name(node)
     if name in _METADATA_OPS:
         return True
     return name == "getattr" and len(node.args) > 1 and node.args[1] in _METADATA_ATTRS
@@ -51,16 +51,16 @@ def has_internal_overlap(node: fx.Node) -> bool:
     return val is None or any(stride == 0 and size > 1 for stride, size in zip(val.stride(), val.shape))
 
 
-def returns_several_views(node: fx.Node, gm: fx.GraphModule) -> bool:
+def returns_several_views(node: fx.Node) -> bool:
     """`chunk`, `split`, `unbind` and other ops returning a list of views of one tensor."""
     if node.op == "call_function" and _torch_private.aten_op_name(node.target) is not None:
         return _torch_private.returns_list(node.target) and _torch_private.aliased_argument(node.target) is not None
-    return op_name(node, gm) in _MULTI_OUTPUT_VIEW_OPS
+    return op_name(node) in _MULTI_OUTPUT_VIEW_OPS
 
 
-def aliased_inputs(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
+def aliased_inputs(node: fx.Node) -> list[fx.Node]:
     """The input nodes the output may share storage with (a known op: at most one)."""
-    name = op_name(node, gm)
+    name = op_name(node)
     inputs = [n for n in node.all_input_nodes if not is_metadata_read(n)]
     if name == "dropout":
         return [] if dropout_training(node) else inputs[:1]
@@ -83,7 +83,7 @@ class AliasInfo:
             self._parent[node] = node
             if node.op in ("call_function", "call_method", "call_module") and not is_metadata_read(node):
                 unknown = [n for n in node.all_input_nodes if not is_metadata_read(n)]
-                may_alias = unknown if not is_known_op(node, gm) else aliased_inputs(node, gm)
+                may_alias = unknown if not is_known_op(node) else aliased_inputs(node)
                 for n in may_alias:
                     self.merge(node, n)
             val = tensor_meta(node)

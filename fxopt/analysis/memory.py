@@ -288,7 +288,7 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
                 nbytes[key] = t.untyped_storage().nbytes()
                 creates.add(key)
         reads = {_storage(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))} - free
-        saved = _saved_keys(node, gm, free, nbytes) if node in needs_grad else set()
+        saved = _saved_keys(node, free, nbytes) if node in needs_grad else set()
         creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
         mask = _replay_mask(node, nbytes)
         creates |= mask
@@ -320,15 +320,15 @@ def _device(gm: fx.GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
-def _saved_keys(node: fx.Node, gm: fx.GraphModule, free: set, nbytes: dict) -> set:
+def _saved_keys(node: fx.Node, free: set, nbytes: dict) -> set:
     """Storages kept for `node`'s backward; bytes saved beyond its inputs/output get a private key."""
-    info = saved_for_backward(node, gm)
+    info = saved_for_backward(node)
     tensors = [t for a in info.saved_inputs for t in _tensors(a.meta.get("val"))]
     if info.saves_output:
         tensors += _tensors(node.meta.get("val"))
     keys = {_storage(t) for t in tensors} - free
     keys = {k for k in keys if k in nbytes}
-    private = saved_bytes(node, gm) - sum(nbytes[k] for k in keys)
+    private = saved_bytes(node) - sum(nbytes[k] for k in keys)
     if private > 0:
         key = ("private", node.name)
         nbytes[key] = private

@@ -91,7 +91,7 @@ def _replace_weight_and_bias(node: fx.Node, weight, bias) -> tuple[Any, tuple, d
     return node.target, tuple(args), kwargs
 
 
-def match_conv(node: fx.Node, gm: fx.GraphModule) -> ConvCall | None:
+def match_conv(node: fx.Node) -> ConvCall | None:
     if node.op != "call_function":
         return None
     if node.target is aten.convolution.default:
@@ -118,7 +118,7 @@ class LinearCall:
         return _replace_weight_and_bias(self.node, weight, bias)
 
 
-def match_linear(node: fx.Node, gm: fx.GraphModule) -> LinearCall | None:
+def match_linear(node: fx.Node) -> LinearCall | None:
     if node.op != "call_function" or node.target not in _LINEAR_FUNCTIONS:
         return None
     b = _bind(node, ("input", "weight", "bias"), {"bias": None})
@@ -141,7 +141,7 @@ class BatchNormCall:
         return self.training is False and self.running_mean is not None and self.running_var is not None
 
 
-def match_batch_norm(node: fx.Node, gm: fx.GraphModule) -> BatchNormCall | None:
+def match_batch_norm(node: fx.Node) -> BatchNormCall | None:
     if node.op != "call_function" or node.target not in _BN_FUNCTIONS:
         return None
     b = _bind(node, _BN_FUNCTIONS[node.target], _BN_DEFAULTS)

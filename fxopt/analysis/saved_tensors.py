@@ -1,7 +1,7 @@
 """What autograd keeps for each node's backward, from one table kept in this file.
 
-`saved_for_backward(node, gm)` answers, for one graph node, whether its backward keeps the node's
-own output and which input nodes it keeps; `saved_bytes(node, gm)` turns that into bytes from
+`saved_for_backward(node)` answers, for one graph node, whether its backward keeps the node's
+own output and which input nodes it keeps; `saved_bytes(node)` turns that into bytes from
 `node.meta["val"]`. Passes ask these questions instead of re-deriving them: `inplace_relu` (may an
 activation overwrite its input? may relu save a mask instead of its output?), and the memory passes
 (what does a region keep alive?).
@@ -129,13 +129,13 @@ def _constant_pad(node: fx.Node) -> bool:
     return mode == "constant"
 
 
-def _rule(node: fx.Node, gm: fx.GraphModule) -> _Rule | None:
+def _rule(node: fx.Node) -> _Rule | None:
     """What an fxopt graph helper is declared to save, the table's rule for `node`, the view rule for
     an ATen view, or None for an unknown op."""
     helper = declared(node.target) if node.op == "call_function" else None
     if helper is not None and helper.saves is not None:
         return _Rule(extra=helper.saves)
-    name = op_name(node, gm)
+    name = op_name(node)
     if name == "pad" and _constant_pad(node):
         return _KEEPS_NOTHING
     if name in _TABLE:
@@ -150,9 +150,9 @@ def keeps_output_only_in_place(name: str) -> bool:
     return inplace is not None and outplace is not None and inplace.output and not outplace.output
 
 
-def is_known_op(node: fx.Node, gm: fx.GraphModule) -> bool:
+def is_known_op(node: fx.Node) -> bool:
     """The table knows what this call keeps for backward (and so what it computes)."""
-    return _rule(node, gm) is not None
+    return _rule(node) is not None
 
 
 def dropout_training(node: fx.Node) -> bool:
@@ -176,11 +176,11 @@ class SavedForBackward:
     known: bool
 
 
-def saved_for_backward(node: fx.Node, gm: fx.GraphModule) -> SavedForBackward:
+def saved_for_backward(node: fx.Node) -> SavedForBackward:
     """What autograd keeps for `node`'s backward (see module docstring); placeholders keep nothing."""
     if node.op in ("placeholder", "get_attr", "output"):
         return SavedForBackward(False, (), True)
-    rule = _rule(node, gm)
+    rule = _rule(node)
     inputs = _tensor_inputs(node)
     if rule is None:
         return SavedForBackward(True, inputs, False)
@@ -196,16 +196,16 @@ def tensor_bytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if val is not None else 0
 
 
-def saved_bytes(node: fx.Node, gm: fx.GraphModule) -> int:
+def saved_bytes(node: fx.Node) -> int:
     """Bytes of non-parameter tensors kept for `node`'s backward, from `node.meta["val"]`.
 
     Graph inputs, parameters and buffers are not counted (they live anyway), nor are
     intermediate tensors counted twice when the output is also an input (in-place ops).
     """
-    saved = saved_for_backward(node, gm)
+    saved = saved_for_backward(node)
     nodes = {n for n in saved.saved_inputs if n.op not in ("placeholder", "get_attr")}
     if saved.saves_output:
         nodes.add(node)
-    rule = _rule(node, gm)
+    rule = _rule(node)
     extra = rule.extra(node) if rule is not None and rule.extra is not None else 0
     return sum(tensor_bytes(n) for n in nodes) + extra

@@ -125,12 +125,12 @@ def functional_batch_norm_args(node: fx.Node) -> dict | None:
     return None if normalized is None else normalized.kwargs
 
 
-def can_recompute_batch_norm(node: fx.Node, gm: fx.GraphModule) -> bool:
+def can_recompute_batch_norm(node: fx.Node) -> bool:
     """A BatchNorm call a region can hold with its running statistics updated once per step."""
     return functional_batch_norm_args(node) is not None
 
 
-def _batch_norm_once_call(body: fx.Graph, node: fx.Node, gm: fx.GraphModule, env: dict, run: fx.Node) -> fx.Node:
+def _batch_norm_once_call(body: fx.Graph, node: fx.Node, env: dict, run: fx.Node) -> fx.Node:
     """The body's call of `node` (a BatchNorm, see can_recompute_batch_norm) as batch_norm_once."""
     a = {k: env[v] if isinstance(v, fx.Node) else v for k, v in functional_batch_norm_args(node).items()}
     return body.call_function(batch_norm_once, (a["input"], a.get("running_mean"), a.get("running_var"),
@@ -157,7 +157,7 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
         nodes[0].prepend(update)
     members = set(nodes)
     body = fx.Graph()
-    batch_norms = {n for n in nodes if can_recompute_batch_norm(n, gm)}
+    batch_norms = {n for n in nodes if can_recompute_batch_norm(n)}
     dropouts = {n: p for n in nodes if replay_dropout and (p := replayed_dropout_p(n)) is not None}
     run = body.placeholder("run") if batch_norms or dropouts else None
     env: dict[fx.Node, fx.Node] = {}
@@ -173,7 +173,7 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
                 env[arg] = body.placeholder(arg.name)
             env[arg].meta.update(arg.meta)
         if node in batch_norms:
-            env[node] = _batch_norm_once_call(body, node, gm, env, run)
+            env[node] = _batch_norm_once_call(body, node, env, run)
             env[node].meta.update(node.meta)
         elif node in dropouts:
             env[node] = body.call_function(dropout_once, (env[node.all_input_nodes[0]], dropouts[node], node.name, run))

@@ -34,10 +34,10 @@ def written_inputs(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
     """The graph values `node` writes in place: the first input of an in-place op, every input of
     another mutating call (`out=`, setitem, an unknown in-place method); none for a BatchNorm or an
     update of buffers nothing else reads (num_batches_tracked)."""
-    if MUTATION not in effects(node, gm) or can_recompute_batch_norm(node, gm) or is_lone_state_update(node):
+    if MUTATION not in effects(node, gm) or can_recompute_batch_norm(node) or is_lone_state_update(node):
         return []
     inputs = node.all_input_nodes
-    return inputs[:1] if is_inplace_op(op_name(node, gm)) else list(inputs)
+    return inputs[:1] if is_inplace_op(op_name(node)) else list(inputs)
 
 
 class KeptWrites:

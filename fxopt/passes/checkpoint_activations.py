@@ -107,15 +107,15 @@ def refusal(node: fx.Node, gm: fx.GraphModule) -> str:
         return "already_checkpointed"
     if node.op == "call_function" and node.target is torch.utils.checkpoint.checkpoint:
         return "already_checkpointed"
-    bn = match_batch_norm(node, gm)
-    if bn is not None and bn.training is not False and not can_recompute_batch_norm(node, gm):
+    bn = match_batch_norm(node)
+    if bn is not None and bn.training is not False and not can_recompute_batch_norm(node):
         return "bn_training"
     if is_lone_state_update(node):
         return ""
-    name = op_name(node, gm)
+    name = op_name(node)
     if name is None:
         return "unknown_op"
-    if MUTATION in effects(node, gm) and not can_recompute_batch_norm(node, gm) and not is_inplace_op(name):
+    if MUTATION in effects(node, gm) and not can_recompute_batch_norm(node) and not is_inplace_op(name):
         return "mutation"  # in-place ops may join a region that made what they write (KeptWrites.write_inside)
     return ""
 

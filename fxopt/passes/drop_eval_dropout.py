@@ -30,7 +30,7 @@ class DropEvalDropout(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
         for node in list(gm.graph.nodes):
-            if op_name(node, gm) != "dropout" or dropout_training(node) or not node.args:
+            if op_name(node) != "dropout" or dropout_training(node) or not node.args:
                 continue
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)

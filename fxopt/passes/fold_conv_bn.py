@@ -111,10 +111,10 @@ class FoldConvBN(Pass):
         result = PassResult()
         written = written_state(gm)
         for node in list(gm.graph.nodes):
-            bn = match_batch_norm(node, gm)
+            bn = match_batch_norm(node)
             if bn is None or not isinstance(bn.input, fx.Node):
                 continue
-            layer = match_conv(bn.input, gm) or match_linear(bn.input, gm)
+            layer = match_conv(bn.input) or match_linear(bn.input)
             if layer is None:
                 continue
             reason, detail = _refusal(gm, layer, bn, ctx, written)
@@ -122,14 +122,14 @@ class FoldConvBN(Pass):
                 result.record("refused", site_name(node), reason, detail)
                 continue
             precompute = ctx.mode == "inference" and ctx.guards_checked
-            self._record_guards(gm, layer, bn, precompute, ctx)
+            self._record_guards(layer, bn, precompute, ctx)
             self._fold(gm, layer, bn, precompute)
             result.record("folded", site_name(node), detail=f"{site_name(layer.node)} + {site_name(node)}")
         if result.changed and ctx.mode == "inference":
             gm.delete_all_unused_submodules()
         return result
 
-    def _record_guards(self, gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool,
+    def _record_guards(self, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool,
                        ctx: PassContext) -> None:
         """What the fold relies on: the BN stays in eval mode; precomputed, weights and statistics keep their values."""
         why = f"{site_name(bn.node)} folded into {site_name(layer.node)}"

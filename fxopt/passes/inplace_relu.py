@@ -58,23 +58,23 @@ _BACKWARD_NEEDS_INPUT = {"hardtanh", "relu6", "hardswish", "silu"}
 _CONSTANT = ("placeholder", "get_attr")
 
 
-def _describe(node: fx.Node, gm: fx.GraphModule) -> str:
-    return f"{node.name} ({op_name(node, gm) or node.target})" if node.op not in _CONSTANT else node.name
+def _describe(node: fx.Node) -> str:
+    return f"{node.name} ({op_name(node) or node.target})" if node.op not in _CONSTANT else node.name
 
 
 def _inplace_refusal(act: ActivationCall, gm: fx.GraphModule, aliases: AliasInfo, training: bool) -> tuple[str, str]:
     x, node = act.input, act.node
     group = aliases.aliases(x)
-    unknown = [a for a in group if a.op not in (*_CONSTANT, "output") and not is_known_op(a, gm)]
+    unknown = [a for a in group if a.op not in (*_CONSTANT, "output") and not is_known_op(a)]
     if unknown:
-        return "unknown_op", f"{x.name} may alias the result of {_describe(unknown[0], gm)}, which fxopt does not know"
+        return "unknown_op", f"{x.name} may alias the result of {_describe(unknown[0])}, which fxopt does not know"
     inputs = [a for a in group if a.op in _CONSTANT]
     if inputs:
         what = "a graph input" if inputs[0].op == "placeholder" else "a parameter or buffer"
         return "graph_input", f"{x.name} is {'' if inputs[0] is x else 'a view of '}{what} ({inputs[0].name})"
-    views = [a for a in group if returns_several_views(a, gm)]
+    views = [a for a in group if returns_several_views(a)]
     if views or has_internal_overlap(x):
-        why = f"one of several views returned by {_describe(views[0], gm)}" if views else "an expanded view"
+        why = f"one of several views returned by {_describe(views[0])}" if views else "an expanded view"
         return "aliased", f"{x.name} is {why}; autograd or the kernel forbids writing it in place"
     later = aliases.value_reads_after(x, node)
     if later:
@@ -90,28 +90,28 @@ def _inplace_refusal(act: ActivationCall, gm: fx.GraphModule, aliases: AliasInfo
     if keeps_output_only_in_place(act.kind):
         writers = [a for a in aliases.aliases(node) if a is not node and MUTATION in effects(a, gm)]
         if writers:
-            return "output_written_later", (f"{_describe(writers[0], gm)} writes {node.name} in place, which "
+            return "output_written_later", (f"{_describe(writers[0])} writes {node.name} in place, which "
                                             f"{act.kind}_ would keep for backward")
     for a in group:
-        if a is not node and saved_for_backward(a, gm).saves_output:
-            return "producer_saves_output", f"{_describe(a, gm)} keeps its output for backward"
+        if a is not node and saved_for_backward(a).saves_output:
+            return "producer_saves_output", f"{_describe(a)} keeps its output for backward"
     for a in group:
-        keepers = [u for u in a.users if u is not node and a in saved_for_backward(u, gm).saved_inputs]
+        keepers = [u for u in a.users if u is not node and a in saved_for_backward(u).saved_inputs]
         if keepers:
-            return "saved_by_other_op", f"{_describe(keepers[0], gm)} keeps {a.name} for backward"
+            return "saved_by_other_op", f"{_describe(keepers[0])} keeps {a.name} for backward"
     return "", ""
 
 
-def _mask_refusal(node: fx.Node, gm: fx.GraphModule, aliases: AliasInfo) -> tuple[str, str]:
+def _mask_refusal(node: fx.Node, aliases: AliasInfo) -> tuple[str, str]:
     """Why keeping a bool mask would free nothing: something else keeps relu's output alive."""
     for a in aliases.aliases(node):
-        if a is not node and a.op not in _CONSTANT and saved_for_backward(a, gm).saves_output:
-            return "mask_kept_by_other_op", f"{_describe(a, gm)} keeps {a.name} for backward"
+        if a is not node and a.op not in _CONSTANT and saved_for_backward(a).saves_output:
+            return "mask_kept_by_other_op", f"{_describe(a)} keeps {a.name} for backward"
         for user in a.users:
             if user.op == "output":
                 return "mask_graph_output", f"{a.name} is returned by the graph"
-            if user is not node and a in saved_for_backward(user, gm).saved_inputs:
-                return "mask_kept_by_other_op", f"{_describe(user, gm)} keeps {a.name} for backward"
+            if user is not node and a in saved_for_backward(user).saved_inputs:
+                return "mask_kept_by_other_op", f"{_describe(user)} keeps {a.name} for backward"
     return "", ""
 
 
@@ -134,7 +134,7 @@ class InplaceReLU(Pass):
         training = ctx.mode == TRAINING
         aliases = AliasInfo(gm)
         for node in list(gm.graph.nodes):
-            act = match_activation(node, gm)
+            act = match_activation(node)
             if act is None or act.inplace or not isinstance(act.input, fx.Node):
                 continue
             reason, detail = _inplace_refusal(act, gm, aliases, training)
@@ -146,16 +146,16 @@ class InplaceReLU(Pass):
             else:
                 result.record("refused", site_name(node), reason, detail)
             if training and act.kind == "relu" and self.option(ctx, "relu_mask"):
-                self._mask(gm, node, act, inplace, aliases, result)
+                self._mask(node, act, inplace, aliases, result)
         return result
 
     @staticmethod
-    def _mask(gm: fx.GraphModule, node: fx.Node, act: ActivationCall, inplace: bool, aliases: AliasInfo,
+    def _mask(node: fx.Node, act: ActivationCall, inplace: bool, aliases: AliasInfo,
               result: PassResult) -> None:
         out = tensor_meta(node)
         if out is None or not out.is_floating_point():
             return
-        reason, detail = _mask_refusal(node, gm, aliases)
+        reason, detail = _mask_refusal(node, aliases)
         if reason:
             result.record("refused", site_name(node), reason, detail)
             return

@@ -237,11 +237,11 @@ class PruneDeadGrads(Pass):
         for node in list(gm.graph.nodes):
             if not needs.recorded(node) or node.op != "call_function":
                 continue
-            conv = match_conv(node, gm)
-            bn = match_batch_norm(node, gm) if conv is None else None
+            conv = match_conv(node)
+            bn = match_batch_norm(node) if conv is None else None
             if conv is not None:
                 rewritten = self._frozen_conv(gm, conv, needs, result)
-            elif bn is not None and bn.uses_running_stats and op_name(node, gm) == "batch_norm":
+            elif bn is not None and bn.uses_running_stats and op_name(node) == "batch_norm":
                 rewritten = self._frozen_batch_norm(gm, ctx, bn, needs, result)
             else:
                 rewritten = False
