@@ -108,6 +108,39 @@ def test_dropout_replayed_from_its_mask_draws_the_same_stream():
     assert all(torch.equal(a, b) for a, b in zip(eager, replayed)) and torch.equal(rng, rng_replayed)
 
 
+class _DropoutThenAttentionDropout(torch.nn.Module):
+    """A dropout, then attention with its own dropout (SDPA's dropout_p): two random draws in one region."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.drop, self.qkv = torch.nn.Dropout(0.3), torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.drop(x)).unsqueeze(1).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3 if self.training else 0.0)
+
+
+def test_dropout_before_another_random_op_is_drawn_again():
+    """A region whose dropout is followed by another random op (SDPA's dropout) draws the dropout again rather than
+    replaying it, so the later op reads the generator where the forward did: gradients equal eager in float64."""
+    from fxopt.passes._checkpoint_region import extract_region
+
+    torch.manual_seed(0)
+    model, x = _DropoutThenAttentionDropout().double(), torch.randn(4, 6, 16, dtype=torch.float64)
+    gm = _graph(fxopt.optimize(model, (x,), mode="training", passes=[]))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    extract_region(gm, calls, "checkpointed_all", save_counted=False, replay_dropout=True)
+    gm.recompile()
+    assert "dropout_once" not in gm.checkpointed_all.body.code
+    grads = []
+    for m in (model, gm):
+        torch.manual_seed(1)
+        xi = x.clone().requires_grad_()
+        m(xi).pow(2).sum().backward()
+        grads.append(xi.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+
+
 def test_conv_net_with_train_bn_is_unchanged():
     """Train-mode BatchNorm recomputed in a region: running stats update once, gradients match."""
     torch.manual_seed(0)

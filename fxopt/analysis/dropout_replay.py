@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
+from .. import _torch_private
 from .shapes import tensor_meta
 
 DROPOUT_FUNCTIONS = (torch.ops.aten.dropout.default, F.dropout, torch.dropout)
@@ -35,6 +36,20 @@ def replayed_dropout_p(node: fx.Node) -> float | None:
             or not 0 < p < 1 or val is None or val.device.type != "cpu" or not val.is_floating_point()):
         return None
     return float(p)
+
+
+def replayable_dropouts(nodes) -> dict[fx.Node, float]:
+    """The dropouts a region of `nodes` may replay from their masks, with their probabilities: none when
+    another op in it draws random numbers (a replay draws nothing, so an op drawing after it in the
+    recomputation would read the generator at another state than the forward did: an SDPA's own dropout)."""
+    if any(map(draws_unreplayed, nodes)):
+        return {}
+    return {n: p for n in nodes if (p := replayed_dropout_p(n)) is not None}
+
+
+def draws_unreplayed(node: fx.Node) -> bool:
+    """Whether `node` draws random numbers and is not a dropout a region can replay."""
+    return node.op == "call_function" and _torch_private.op_is_random(node.target) and replayed_dropout_p(node) is None
 
 
 def draw(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from .dropout_replay import replayed_dropout_p
+from .dropout_replay import draws_unreplayed, replayed_dropout_p
 from .flops import node_flops
 from .grad_needs import analyze_grad_needs
 from .op_times import node_seconds, replay_key
@@ -146,7 +146,9 @@ class StepProfile:
         return round((per_region + per_op * (r.stop - r.start)) * 1e9)
 
     def has_replayable_dropout(self, r: Region) -> bool:
-        return any(s.mask for s in self.steps[r.start:r.stop])
+        """Whether a region over r's steps may replay dropouts from masks: it has one, and no other op in it
+        draws random numbers (fxopt.analysis.dropout_replay.replayable_dropouts)."""
+        return self._sum(self._mask_prefix, r) > 0 and self._sum(self._unreplayed_random_prefix, r) == 0
 
     def region_flops(self, r: Region) -> int:
         return self._sum(self._flops_prefix, r) - (self._sum(self._counted_flops_prefix, r) if r.save_counted else 0)
@@ -158,6 +160,9 @@ class StepProfile:
         self._counted_cost_prefix = list(itertools.accumulate((s.recompute_cost * s.counted for s in self.steps),
                                                               initial=0))
         self._replay_saving_prefix = list(itertools.accumulate((s.replay_saving for s in self.steps), initial=0))
+        self._mask_prefix = list(itertools.accumulate((bool(s.mask) for s in self.steps), initial=0))
+        self._unreplayed_random_prefix = list(itertools.accumulate(map(draws_unreplayed, (s.node for s in self.steps)),
+                                                                   initial=0))
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_flops_prefix = list(itertools.accumulate((s.flops * s.counted for s in self.steps), initial=0))
 

@@ -108,9 +108,11 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
         """The allowed regions [start, stop): whole, and selective where it has a matmul to keep; with
         dropouts, also whole with them drawn again (no mask kept: the least memory)."""
         if (start, stop) not in variants_cache:
-            whole, selective = Region(start, stop), Region(start, stop, save_counted=True)
+            replay = profile.has_replayable_dropout(Region(start, stop))
+            whole = Region(start, stop, replay_dropout=replay)
+            selective = Region(start, stop, save_counted=True, replay_dropout=replay)
             tried = [whole] + ([selective] if profile.region_cost(selective) < profile.region_cost(whole) else [])
-            if profile.has_replayable_dropout(whole):
+            if replay:
                 tried.append(Region(start, stop, replay_dropout=False))
             variants_cache[start, stop] = [r for r in tried if allowed(r)]
         return variants_cache[start, stop]

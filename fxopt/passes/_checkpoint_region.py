@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..analysis.dropout_replay import draw, replay, replayed_dropout_p
+from ..analysis.dropout_replay import draw, replay, replayable_dropouts
 from ..analysis.flops import is_counted_op
 from ..graph_functions import graph_function
 
@@ -158,7 +158,7 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
     members = set(nodes)
     body = fx.Graph()
     batch_norms = {n for n in nodes if can_recompute_batch_norm(n)}
-    dropouts = {n: p for n in nodes if replay_dropout and (p := replayed_dropout_p(n)) is not None}
+    dropouts = replayable_dropouts(nodes) if replay_dropout else {}
     run = body.placeholder("run") if batch_norms or dropouts else None
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[fx.Node] = []
