@@ -1,4 +1,6 @@
-"""capture drops the all-True attention masks export makes models build (fxopt/capture/attention_masks.py)."""
+"""capture drops the all-True and causal attention masks export makes models build (fxopt/capture/attention_masks.py)."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -8,7 +10,7 @@ import fxopt
 
 
 class Attention(nn.Module):
-    """SDPA with a mask built as `kind` says: all True from constants, partly False from constants, or from an input."""
+    """SDPA with a mask built as `kind` says: all True, causal or a band from constants, or from an input."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -22,7 +24,8 @@ class Attention(nn.Module):
             mask = keep[:, None, None, :].expand(x.shape[0], 1, n, n)
         else:
             positions = torch.arange(n)
-            allowed = positions >= 0 if self.kind == "all_true" else positions[None, :] <= positions[:, None]
+            allowed = {"all_true": positions >= 0, "causal": positions[None, :] <= positions[:, None],
+                       "band": (positions[None, :] - positions[:, None]).abs() <= 1}[self.kind]
             mask = allowed.expand(x.shape[0], 1, n, n)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -51,9 +54,27 @@ def test_all_true_constant_mask_is_dropped_and_the_result_is_unchanged(mode):
     torch.testing.assert_close(optimized(*args), model(*args), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["causal", "input"])
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_causal_constant_mask_becomes_is_causal_and_the_result_is_unchanged(mode):
+    """A constant lower-triangular mask is what is_causal=True applies: the graph calls SDPA causal, without it, as eager would."""
+    model, args, optimized = _optimize("causal", mode)
+    (sdpa,) = [n for n in optimized.graph_module.graph.nodes if n.target is _SDPA]
+    assert _mask(sdpa) is None and (sdpa.args[5] if len(sdpa.args) > 5 else sdpa.kwargs["is_causal"]) is True
+    if mode == "training":
+        reference = copy.deepcopy(model)
+        x = args[0].clone().requires_grad_()
+        ref_x = args[0].clone().requires_grad_()
+        optimized(x).sum().backward()
+        reference(ref_x).sum().backward()
+        torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-12)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(optimized(*args), model(*args), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["band", "input"])
 def test_a_mask_that_masks_something_or_reads_an_input_is_kept(kind):
-    """A constant mask with a False entry, or one read from an argument, changes SDPA's result: it must stay."""
+    """A constant mask that is neither all True nor causal, or one read from an argument, changes SDPA's result: it stays."""
     model, args, optimized = _optimize(kind, "inference")
     masks = [_mask(n) for n in optimized.graph_module.graph.nodes if n.target is _SDPA]
     assert len(masks) == 1 and masks[0] is not None

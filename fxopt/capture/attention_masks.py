@@ -1,4 +1,4 @@
-"""Drop the all-True attention masks that exporting made and eager does not.
+"""Drop the constant attention masks that exporting made and eager does not.
 
 Hugging Face models skip their attention mask in eager when no token is masked (SDPA then runs
 without one), but build it under `torch.export` (`masking_utils` checks
@@ -6,12 +6,17 @@ without one), but build it under `torch.export` (`masking_utils` checks
 and the like, called without an `attention_mask`, so get a graph that builds an all-True boolean
 mask at every call (`arange`, `ge`, `expand`) and sends SDPA down its masked path: slower than eager.
 
-`drop_all_true_masks` finds each `scaled_dot_product_attention` whose boolean `attn_mask` is
-computed from constants alone (deterministic ATen ops on no input, parameter, buffer or size),
-broadcast to the call's shape by `expand` at most. Such a mask has the same value at every call;
-it is evaluated once and, where it is all True, it masks nothing: the call drops it (SDPA without
-a mask computes the same) and the ops that only built it are erased. A mask read from anything
-else (an `attention_mask` argument, the sequence length) is kept.
+Causal models (GPT-2) likewise call SDPA with `is_causal=True` and no mask in eager, but build
+the lower-triangular mask under export, and SDPA's masked path is slower than its causal one.
+
+`drop_constant_masks` finds each `scaled_dot_product_attention` whose boolean `attn_mask` is
+computed from constants alone (deterministic ATen ops on no input, parameter, buffer or size).
+Such a mask has the same value at every call; it is evaluated once and, where it is all True, it
+masks nothing: the call drops it (SDPA without a mask computes the same). Where it is the causal
+mask (`ones(L, S).tril()` over its last two dimensions, broadcast over the others: exactly what
+`is_causal=True` applies) of a call that is not causal already, the call drops it and becomes
+causal. The ops that only built the mask are erased. Any other mask, and a mask read from
+anything else (an `attention_mask` argument, the sequence length), is kept.
 """
 from __future__ import annotations
 
@@ -23,34 +28,51 @@ from .. import _torch_private
 _aten = torch.ops.aten
 
 
-def drop_all_true_masks(gm: fx.GraphModule) -> int:
-    """Drop every all-True constant attention mask of `gm` (see module docstring); how many calls changed."""
-    dropped = 0
+_SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")  # then keyword-only ones
+
+
+def drop_constant_masks(gm: fx.GraphModule) -> int:
+    """Drop every all-True or causal constant attention mask of `gm` (see module docstring); how many calls changed."""
+    changed = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _aten.scaled_dot_product_attention.default:
             continue
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        if isinstance(mask, fx.Node) and _constant_all_true(mask):
-            if len(node.args) > 3:
-                node.args = (*node.args[:3], None, *node.args[4:])
-            else:
-                node.kwargs = {**node.kwargs, "attn_mask": None}
-            _erase_unused(mask)
-            dropped += 1
-    if dropped:
+        arguments = {**dict(zip(_SDPA_ARGUMENTS, node.args)), **node.kwargs}
+        mask = arguments.get("attn_mask")
+        if not isinstance(mask, fx.Node) or arguments.get("is_causal", False) is not False:
+            continue
+        kind = _constant_mask_kind(mask)
+        if kind is None:
+            continue
+        _set_argument(node, "attn_mask", None)
+        if kind == "causal":
+            _set_argument(node, "is_causal", True)
+        _erase_unused(mask)
+        changed += 1
+    if changed:
         gm.graph.lint()
         gm.recompile()
-    return dropped
+    return changed
 
 
-def _constant_all_true(mask: fx.Node) -> bool:
-    source = mask
-    while source.op == "call_function" and source.target is _aten.expand.default:  # a broadcast keeps the values
-        source = source.args[0]
-    if not isinstance(source, fx.Node):
-        return False
-    value = _evaluate_constant(source)
-    return value is not None and value.dtype == torch.bool and bool(value.all())
+def _set_argument(node: fx.Node, name: str, value) -> None:
+    """Set SDPA argument `name` of `node` where the call passes it (by position or keyword), else by keyword."""
+    index = _SDPA_ARGUMENTS.index(name)
+    if index < len(node.args):
+        node.args = (*node.args[:index], value, *node.args[index + 1:])
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
+def _constant_mask_kind(mask: fx.Node) -> str | None:
+    """"all_true" or "causal" for a constant boolean mask of that value (see module docstring), else None."""
+    value = _evaluate_constant(mask)
+    if value is None or value.dtype != torch.bool or value.dim() < 2:
+        return None
+    if bool(value.all()):
+        return "all_true"
+    causal = torch.ones(value.shape[-2:], dtype=torch.bool, device=value.device).tril()
+    return "causal" if torch.equal(value, causal.expand_as(value)) else None
 
 
 def _evaluate_constant(node: fx.Node) -> torch.Tensor | None:
@@ -80,12 +102,15 @@ def _position(graph: fx.Graph):
 
 
 def _erase_unused(node: fx.Node) -> None:
-    """Erase `node` if nothing reads it, then the inputs only it read."""
+    """Erase `node` if nothing reads it, then the inputs only it read. Export's checks of a value's dtype and
+    device (`_assert_tensor_metadata`) do not keep it: they go with it."""
     stack = [node]
     while stack:
         n = stack.pop()
-        if n.users or n.op != "call_function":
+        if n.op != "call_function" or any(u.target is not _aten._assert_tensor_metadata.default for u in n.users):
             continue
+        for check in list(n.users):
+            n.graph.erase_node(check)
         inputs = n.all_input_nodes
         n.graph.erase_node(n)
         stack.extend(inputs)

@@ -5,8 +5,8 @@ that are the module's own tensors, grad-mode and autocast regions as
 `wrap_with_set_grad_enabled` / `wrap_with_autocast` calls, buffer writes as in-place ops — made
 into a plain `torch.fx.GraphModule`: without export's input-guard call (`_guards_fn`, which fails
 with an `AssertionError`; its facts are kept in a `CallSpec`), and without export's forward hooks
-(closures that neither pickle nor let a call differ), and without the all-True attention masks
-export made Hugging Face models build where eager passes none (`attention_masks.py`).
+(closures that neither pickle nor let a call differ), and without the constant all-True or causal
+attention masks export made Hugging Face models build where eager passes none (`attention_masks.py`).
 
 Sizes are those of the example call (a static export: the cheapest, and its fake values,
 `node.meta["val"]`, are the concrete example shapes the analyses need). With `dynamic_batch` the
@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from .attention_masks import drop_all_true_masks
+from .attention_masks import drop_constant_masks
 from .call_spec import CallSpec
 from ..state_preservation import preserved_state
 from .cumulative_batchnorm import traceable_cumulative_batchnorm
@@ -70,7 +70,7 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
         return describe_failure(e, module)
     exported = _torch_private.exported_module(ep)
     gm = _plain_graph_module(exported, type(module).__name__)
-    drop_all_true_masks(gm)
+    drop_constant_masks(gm)
     call = CallSpec.from_export(gm, ep.range_constraints, kwargs)
     return Exported(gm, call, {path: m.training for path, m in module.named_modules()})
 
