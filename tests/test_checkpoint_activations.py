@@ -111,27 +111,30 @@ def test_dropout_replayed_from_its_mask_draws_the_same_stream():
 class _DropoutThenAttentionDropout(torch.nn.Module):
     """A dropout, then attention with its own dropout (SDPA's dropout_p): two random draws in one region."""
 
-    def __init__(self, d: int = 16):
+    def __init__(self, d: int = 16, attention_p: float = 0.3):
         super().__init__()
-        self.drop, self.qkv = torch.nn.Dropout(0.3), torch.nn.Linear(d, 3 * d)
+        self.drop, self.qkv, self.attention_p = torch.nn.Dropout(0.3), torch.nn.Linear(d, 3 * d), attention_p
 
     def forward(self, x):
         q, k, v = self.qkv(self.drop(x)).unsqueeze(1).chunk(3, dim=-1)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3 if self.training else 0.0)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.attention_p if self.training else 0.0)
 
 
-def test_dropout_before_another_random_op_is_drawn_again():
+@pytest.mark.parametrize("attention_p", [0.3, 0.0])
+def test_dropout_before_another_random_op_is_drawn_again(attention_p):
     """A region whose dropout is followed by another random op (SDPA's dropout) draws the dropout again rather than
-    replaying it, so the later op reads the generator where the forward did: gradients equal eager in float64."""
+    replaying it, so the later op reads the generator where the forward did (attention without dropout draws
+    nothing: the dropout is replayed); either way gradients equal eager in float64."""
     from fxopt.passes._checkpoint_region import extract_region
 
     torch.manual_seed(0)
-    model, x = _DropoutThenAttentionDropout().double(), torch.randn(4, 6, 16, dtype=torch.float64)
+    model = _DropoutThenAttentionDropout(attention_p=attention_p).double()
+    x = torch.randn(4, 6, 16, dtype=torch.float64)
     gm = _graph(fxopt.optimize(model, (x,), mode="training", passes=[]))
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     extract_region(gm, calls, "checkpointed_all", save_counted=False, replay_dropout=True)
     gm.recompile()
-    assert "dropout_once" not in gm.checkpointed_all.body.code
+    assert ("dropout_once" in gm.checkpointed_all.body.code) == (attention_p == 0)
     grads = []
     for m in (model, gm):
         torch.manual_seed(1)

@@ -48,8 +48,14 @@ def replayable_dropouts(nodes) -> dict[fx.Node, float]:
 
 
 def draws_unreplayed(node: fx.Node) -> bool:
-    """Whether `node` draws random numbers and is not a dropout a region can replay."""
-    return node.op == "call_function" and _torch_private.op_is_random(node.target) and replayed_dropout_p(node) is None
+    """Whether `node` draws random numbers and is not a dropout a region can replay. Attention draws only with
+    a dropout probability other than 0 (ATen tags it random either way)."""
+    if node.op != "call_function" or not _torch_private.op_is_random(node.target):
+        return False
+    if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+        dropout_p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return not (isinstance(dropout_p, (int, float)) and dropout_p == 0)
+    return replayed_dropout_p(node) is None
 
 
 def draw(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
