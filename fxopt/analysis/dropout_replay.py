@@ -53,7 +53,8 @@ def draws_unreplayed(node: fx.Node) -> bool:
     if node.op != "call_function" or not _torch_private.op_is_random(node.target):
         return False
     if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-        dropout_p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        dropout_p = normalized.kwargs.get("dropout_p", 0.0) if normalized is not None else None
         return not (isinstance(dropout_p, (int, float)) and dropout_p == 0)
     return replayed_dropout_p(node) is None
 
