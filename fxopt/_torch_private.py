@@ -306,6 +306,12 @@ def op_is_random(op) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
 
 
+def op_is_pointwise(op) -> bool:
+    """Whether ATen tags an operator pointwise: each output element from the same-index input elements."""
+    op = getattr(op, "default", op)
+    return torch.Tag.pointwise in getattr(op, "tags", ())
+
+
 def fx_is_impure(fn, args, kwargs) -> bool:
     """torch.fx's own impurity test for a called function (asserts, profiler ranges, effectful ops)."""
     from torch._library.utils import is_impure
@@ -555,3 +561,10 @@ def add_deepcopy_hook(gm, hook) -> None:
     """Call `hook(copy)` on every deep copy of GraphModule `gm` (once, however often this is called)."""
     if hook not in getattr(gm, "_deepcopy_hooks", []):
         gm._register_deepcopy_hook(hook)
+
+
+def replace_forward_source(gm, src: str, globals_: dict) -> None:
+    """Make `gm.forward` run `src` until its next recompile. `gm.code` stays torch.fx's text; `src` must have
+    the same lines, so that a traceback's line (and the GraphModule's line map) still points at the right node."""
+    co_fields = getattr(gm.graph, "_co_fields", {})
+    type(gm).forward = torch.fx.graph_module._forward_from_src(src, globals_, co_fields)

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from .direct_reads import read_attributes_directly
 
 _EXAMPLE_VALUE_META = ("val", "example_value", "tensor_meta", "from_node", "unbacked_bindings")
 
@@ -46,13 +47,25 @@ class _NodeRef:
     name: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _MemoryFormatRef:
+    """A `torch.memory_format` argument (`torch.save`'s pickler cannot write one itself)."""
+    name: str
+
+
+def _reference(value):
+    if isinstance(value, fx.Node):
+        return _NodeRef(value.name)
+    if isinstance(value, torch.memory_format):
+        return _MemoryFormatRef(str(value).removeprefix("torch."))
+    return value
+
+
 def _graph_records(graph: fx.Graph) -> list[tuple]:
     """`graph` as picklable data: per node (op, name, target, args, kwargs, meta), nodes named by reference."""
-    def ref(n: fx.Node) -> _NodeRef:
-        return _NodeRef(n.name)
-
-    return [(n.op, n.name, _torch_private.op_reference(n.target), fx.node.map_arg(n.args, ref),
-             fx.node.map_arg(n.kwargs, ref), {k: v for k, v in n.meta.items() if k not in _EXAMPLE_VALUE_META and _pickles(v)})
+    return [(n.op, n.name, _torch_private.op_reference(n.target), fx.node.map_aggregate(n.args, _reference),
+             fx.node.map_aggregate(n.kwargs, _reference),
+             {k: v for k, v in n.meta.items() if k not in _EXAMPLE_VALUE_META and _pickles(v)})
             for n in graph.nodes]
 
 
@@ -70,6 +83,8 @@ def _rebuild(state: dict, records: list[tuple], codegen) -> fx.GraphModule:
     nodes: dict[str, fx.Node] = {}
 
     def node_of(value):
+        if isinstance(value, _MemoryFormatRef):
+            return getattr(torch, value.name)
         return nodes[value.name] if isinstance(value, _NodeRef) else value
 
     for op, name, target, args, kwargs, meta in records:
@@ -82,4 +97,5 @@ def _rebuild(state: dict, records: list[tuple], codegen) -> fx.GraphModule:
     gm.__dict__.update(state)
     gm.graph = graph  # sets the owning module and regenerates forward
     keep_graph_when_pickled(gm)
+    read_attributes_directly(gm)
     return gm

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import torch
 
 from ..capture import check_initialized
+from ..capture.direct_reads import read_attributes_directly
 from ..capture.saving import keep_graph_when_pickled
 from ..errors import FxoptError
 from ..guards import CALL, TRAIN_MODE, Guard, GuardSet, model_state_guards
@@ -102,6 +103,9 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
     ctx = PassContext(mode, dict(pass_options))
     report = run_pipeline(captured, pipeline, ctx, instruments=instruments, verifier=verifier)
     keep_graph_when_pickled(captured.module)  # also the GraphModules passes added
+    for module in captured.module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            read_attributes_directly(module)
     guards = GuardSet(ctx.guards)
     guards.extend(_capture_guards(captured, settings.get(DYNAMIC_BATCH_SETTING, False)))
     guards.extend(model_state_guards(source, "fxopt.optimize", storage=mode == INFERENCE))

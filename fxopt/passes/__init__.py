@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .base import Pass
+from .channels_last import ChannelsLast
 from .checkpoint_activations import CheckpointActivations
 from .drop_eval_dropout import DropEvalDropout
 from .fold_conv_bn import FoldConvBN
@@ -9,4 +10,4 @@ from .inplace_relu import InplaceReLU
 from .prune_dead_grads import PruneDeadGrads
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (FoldConvBN, DropEvalDropout, InplaceReLU, CheckpointActivations,
-                                                      PruneDeadGrads)}
+                                                      PruneDeadGrads, ChannelsLast)}
