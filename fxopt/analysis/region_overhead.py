@@ -8,7 +8,8 @@ of a chain of tiny ops plain and inside each kind of region, with 1 and with CHA
 returns the difference split into per region and per op (medians of interleaved rounds, on the
 clock op_times uses). The ops save their input for backward, as a model's convolutions, norms and
 activations do, so each saved tensor passes the region's hooks (`x * 1.0`, which saves nothing,
-measured 0 per op in a whole region; `sin`, 37 us). It is measured once per device and thread count, in about 0.1 s, and cached.
+measured 0 per op in a whole region; `sin`, 37 us). It is measured once per device and thread count,
+in about 0.1 s, and cached.
 """
 from __future__ import annotations
 
