@@ -45,6 +45,16 @@ def test_region_overhead_is_measured_once():
     assert first.per_region > 0 and first.selective_per_op >= first.per_op
 
 
+def test_region_overhead_chain_saves_a_tensor_per_op():
+    """The chain region_overhead times saves one tensor per op, so a region's per-op saved-tensor hooks are priced."""
+    from fxopt.analysis.region_overhead import CHAIN, _chain
+
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        _chain(torch.randn(8, requires_grad=True), CHAIN)
+    assert len(packed) >= CHAIN
+
+
 def test_predicted_peak_within_ten_percent():
     """The predicted step peak is within 10% of the allocator's, before and after checkpointing at 0.5."""
     torch.manual_seed(0)

@@ -135,11 +135,21 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
                             add(stop, effect.held, _Label(effect.kept_bytes, label.cost + profile.region_cost(region),
                                                           max(label.peak, effect.peak), label.regions + (region,)))
         frontier[i] = {}  # done with this position
-    # the walk bounds the backward; the forward's peak (what is kept plus what is still to be read) is checked here
-    finals = [dataclasses.replace(label, peak=estimate(profile, label.regions).peak)
-              for labels in frontier[n].values() for label in labels]
-    finals = [label for label in finals if label.peak <= budget]
-    if not finals:
-        return None
-    best = min(finals, key=(lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost)))
-    return best.regions
+    return _best_final([label for labels in frontier[n].values() for label in labels], profile, budget, objective)
+
+
+def _best_final(finals: list[_Label], profile: StepProfile, budget: float, objective: str) -> tuple[Region, ...] | None:
+    """The best complete plan once its forward peak is checked too (the walk bounds only the backward).
+
+    Labels are estimated in order of the objective, cheapest first, and only until the answer is known: a
+    label's full peak is at least its walk's, so no later label can beat the best found (HF MobileNetV2
+    ends with 1365 labels; estimating every one was 2 of the 7 s optimize() took)."""
+    order = (lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost))
+    best = None
+    for label in sorted(finals, key=order):
+        if best is not None and order(label) > order(best):
+            break  # the full peak only raises a label's key: this one and every later one lose
+        full = dataclasses.replace(label, peak=estimate(profile, label.regions).peak)
+        if full.peak <= budget and (best is None or order(full) < order(best)):
+            best = full
+    return None if best is None else best.regions

@@ -148,7 +148,8 @@ def is_lone_state_update(node: fx.Node) -> bool:
 def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_counted: bool,
                    replay_dropout: bool = True) -> fx.Node:
     """Replace `nodes` (contiguous in graph order) with one call of a CheckpointedRegion; return that call.
-    `replay_dropout`: its CPU dropouts keep their masks (dropout_once), else they draw again.
+    `replay_dropout`: its CPU dropouts keep their masks (dropout_once), else they draw again. The call (and
+    its items) carry the `meta["val"]` of the outputs they stand for: a region computes the same values.
 
     Lone state updates among them (is_lone_state_update) move in front of the call, run once."""
     updates = [n for n in nodes if is_lone_state_update(n)]
@@ -186,6 +187,9 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
                                                   bool(batch_norms or dropouts)))
     with gm.graph.inserting_before(nodes[0]):
         call = gm.graph.call_module(name, tuple(inputs))
+        vals = [out.meta.get("val") for out in outputs]  # the same values as before, so the same shapes
+        if all(v is not None for v in vals):
+            call.meta["val"] = vals[0] if len(outputs) == 1 else tuple(vals)
         if len(outputs) == 1:
             outputs[0].replace_all_uses_with(call)
         else:
