@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 from ..analysis.memory import Region, StepProfile, estimate, segment_effect
@@ -143,3 +144,21 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
         return None
     best = min(finals, key=(lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost)))
     return best.regions
+
+
+def untimed(profile: StepProfile) -> StepProfile:
+    """The same profile priced by FLOPs instead of measured times: plans chosen on it do not depend on
+    timing noise."""
+    steps = [dataclasses.replace(s, seconds=None, replay_seconds=None) for s in profile.steps]
+    return StepProfile(steps, profile.nbytes, profile.last_read, profile.grad_live)
+
+
+def plan_floor(profile: StepProfile, checkpointable: Sequence[bool],
+               allowed: Callable[[Region], bool] = lambda region: True) -> tuple[Region, ...]:
+    """The plan applied when no plan fits a budget: the lowest estimated peak, and among plans reaching it
+    the fewest recomputed FLOPs. Priced by FLOPs, not by measured times, so every budget below the floor
+    gets the same plan in every run (plans of equal estimated peak may differ in measured peak)."""
+    profile = untimed(profile)
+    lowest_plan = plan_regions(profile, math.inf, checkpointable, objective="peak", allowed=allowed)
+    cheapest = plan_regions(profile, estimate(profile, lowest_plan).peak, checkpointable, allowed=allowed)
+    return cheapest if cheapest is not None else lowest_plan
