@@ -199,6 +199,13 @@ class StepProfile:
             peak = max(peak, alive + self.grad_live[q] + self.bytes_of(self.steps[q].creates))
         return max(peak, alive + last_output + self.grad_live[r.stop - 1])
 
+    def repriced(self, steps: list[Step]) -> StepProfile:
+        """The same memory profile with `steps` priced otherwise (no region overhead): it shares the
+        memory caches, which do not depend on prices."""
+        other = StepProfile(steps, self.nbytes, self.last_read, self.grad_live)
+        other._regions, other._deltas = self._regions, self._deltas
+        return other
+
     @staticmethod
     def _sum(prefix: list[int], r: Region) -> int:
         return prefix[r.stop] - prefix[r.start]

@@ -136,21 +136,29 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
                             add(stop, effect.held, _Label(effect.kept_bytes, label.cost + profile.region_cost(region),
                                                           max(label.peak, effect.peak), label.regions + (region,)))
         frontier[i] = {}  # done with this position
-    # the walk bounds the backward; the forward's peak (what is kept plus what is still to be read) is checked here
-    finals = [dataclasses.replace(label, peak=estimate(profile, label.regions).peak)
-              for labels in frontier[n].values() for label in labels]
-    finals = [label for label in finals if label.peak <= budget]
-    if not finals:
-        return None
-    best = min(finals, key=(lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost)))
-    return best.regions
+    return _best_final([label for labels in frontier[n].values() for label in labels], profile, budget, objective)
+
+
+def _best_final(finals: list[_Label], profile: StepProfile, budget: float, objective: str) -> tuple[Region, ...] | None:
+    """The best plan by (cost, peak) or (peak, cost) once the forward's peak is counted too: the walk bounds
+    the backward only. A label's walked peak is a lower bound of its whole peak, so the labels are taken
+    in order of their objective and the whole estimate (O(steps) each) is made only while one may still win."""
+    order = (lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost))
+    best = None
+    for label in sorted(finals, key=order):
+        if best is not None and (label.cost > best.cost if objective == "cost" else label.peak > best.peak):
+            break  # sorted: no later label can beat (or tie) the best
+        whole = dataclasses.replace(label, peak=estimate(profile, label.regions).peak)
+        if whole.peak <= budget and (best is None or order(whole) < order(best)):
+            best = whole
+    return None if best is None else best.regions
 
 
 def untimed(profile: StepProfile) -> StepProfile:
     """The same profile priced by FLOPs instead of measured times: plans chosen on it do not depend on
     timing noise."""
     steps = [dataclasses.replace(s, seconds=None, replay_seconds=None) for s in profile.steps]
-    return StepProfile(steps, profile.nbytes, profile.last_read, profile.grad_live)
+    return profile.repriced(steps)
 
 
 def plan_floor(profile: StepProfile, checkpointable: Sequence[bool],
