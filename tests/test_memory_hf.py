@@ -66,3 +66,22 @@ def test_predicted_peak_within_ten_percent(budget):
     assert figures["regions"]
     assert figures["peak_estimate_before"] == pytest.approx(_peak(model), rel=0.1)
     assert figures["peak_estimate_after"] == pytest.approx(_peak(opt), rel=0.1)
+
+
+@pytest.mark.slow
+def test_measured_peak_follows_the_budget_down_to_the_floor():
+    """From 1.0 down to the lowest reachable peak the measured peak never rises; a met budget holds (10%
+    slack for the estimate), and below the floor the warning names the floor the step then measures."""
+    model = small_vit()
+    eager = _peak(model)
+    peaks, floors = [], []
+    for budget in (1.0, 0.7, 0.5, 0.3, 0.1):
+        opt, missed = _optimize(model, budget)
+        peaks.append(_peak(opt) / eager)
+        if missed:
+            floors.append(float(re.search(r"lowest reachable (\d\.\d+)x", missed[0]).group(1)))
+            assert peaks[-1] == pytest.approx(floors[-1], abs=0.03), (budget, peaks, floors)
+        else:
+            assert peaks[-1] <= 1.1 * budget, (budget, peaks)
+    assert all(b <= a for a, b in zip(peaks, peaks[1:])), peaks
+    assert floors and len(set(floors)) == 1 and floors[0] < 0.5, floors
