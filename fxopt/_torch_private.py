@@ -78,6 +78,14 @@ def size_hint(n) -> int:
     return hint_int(n)
 
 
+def decomposed_at_runtime(target) -> bool:
+    """An ATen overload with a CompositeImplicitAutograd kernel: eager runs its decomposition, which may
+    hand back an input as it is (dropout with p=0, contiguous of a contiguous tensor, type_as of the same
+    dtype) where a traced value is a new tensor."""
+    return isinstance(target, torch._ops.OpOverload) and target.has_kernel_for_dispatch_key(
+        torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
 def fake_tensor_prop(gm, mode):
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 

@@ -202,6 +202,24 @@ def test_measured_peak_honours_budget_and_falls_with_it():
     assert peaks[-1] < 0.5 * eager
 
 
+def test_plan_below_the_floor_does_not_depend_on_timing(monkeypatch):
+    """Every budget below the floor gets the same plan, however the measured op times come out."""
+    import random
+    import fxopt.analysis.memory as memory
+    measured, draw = memory.node_seconds, random.Random(0)
+    monkeypatch.setattr(memory, "node_seconds",
+                        lambda gm: {k: v * draw.uniform(0.2, 5.0) for k, v in measured(gm).items()})
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=6, width=64), torch.randn(32, 64)
+    plans = []
+    for budget in (0.2, 0.1, 0.05, 0.1):
+        with pytest.warns(UserWarning, match="NOT met"):
+            opt = _optimize(model, (x,), budget)
+        assert opt.fxopt_report["checkpoint_activations"].stats["refused_budget_unreachable"]
+        plans.append(_regions(opt))
+    assert plans[0] and all(p == plans[0] for p in plans), plans
+
+
 def test_estimates_match_measurement():
     """The step-peak model is within 20% of the allocator's peak, before and after checkpointing."""
     torch.manual_seed(0)

@@ -199,6 +199,13 @@ class StepProfile:
             peak = max(peak, alive + self.grad_live[q] + self.bytes_of(self.steps[q].creates))
         return max(peak, alive + last_output + self.grad_live[r.stop - 1])
 
+    def repriced(self, steps: list[Step]) -> StepProfile:
+        """The same memory profile with `steps` priced otherwise (no region overhead): it shares the
+        memory caches, which do not depend on prices."""
+        other = StepProfile(steps, self.nbytes, self.last_read, self.grad_live)
+        other._regions, other._deltas = self._regions, self._deltas
+        return other
+
     @staticmethod
     def _sum(prefix: list[int], r: Region) -> int:
         return prefix[r.stop] - prefix[r.start]
@@ -368,14 +375,19 @@ def _parameter_gradient_bytes(node: fx.Node, gm: fx.GraphModule, trainable: froz
 
 
 def _gradient_bytes(calls: list[fx.Node], position: dict, n: int, needs_grad: set) -> list[int]:
-    """Per position p: bytes of the gradients of tensors crossing into and out of p (needing grad)."""
+    """Per position p: bytes of the gradients of tensors crossing into and out of p (needing grad); a
+    tensor that only passes over p (made before, read after, not by p) has one gradient, not two."""
     crossing = [0] * (n + 1)  # crossing[p]: made before p, read at or after p
+    over = [0] * (n + 1)  # over[p]: made before p, read after p but not by p
     for node in calls:
         val = tensor_meta(node)
         if val is None or node not in needs_grad:
             continue
-        last = max((position.get(u, n) for u in node.users), default=position[node])
+        readers = {position.get(u, n) for u in node.users}
+        last = max(readers, default=position[node])
         size = val.numel() * val.element_size()
         for q in range(position[node] + 1, last + 1):
             crossing[q] += size
-    return [crossing[p] + crossing[p + 1] for p in range(n)]
+            if q < last and q not in readers:
+                over[q] += size
+    return [crossing[p] + crossing[p + 1] - over[p] for p in range(n)]

@@ -67,10 +67,55 @@ def adopt_concrete_shapes(gm: fx.GraphModule) -> bool:
     for node in nodes:
         if node.op == "get_attr" and isinstance(node.meta["val"], torch.Tensor):
             node.meta["val"] = node.meta["val"].detach()
+    if mode is not None:
+        _alias_returned_inputs(gm, mode)
     for node in gm.graph.find_nodes(op="output"):
         node.meta["val"] = fx.node.map_arg(node.args[0], lambda n: n.meta["val"])
     remember_shape_sources(gm)
     return True
+
+
+def _storage(value):
+    return _torch_private.untyped_storage_key(value) if isinstance(value, torch.Tensor) else None
+
+
+def _may_return_an_input(node: fx.Node) -> bool:
+    """A decomposed op whose value looks like one of its inputs (same shape, strides and dtype): eager may
+    hand that input back as it is."""
+    val = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(val, torch.Tensor) or not _torch_private.decomposed_at_runtime(
+            node.target):
+        return False
+    return any(isinstance(i := a.meta.get("val"), torch.Tensor) and (i.shape, i.stride(), i.dtype) ==
+               (val.shape, val.stride(), val.dtype) for a in node.all_input_nodes)
+
+
+def _alias_returned_inputs(gm: fx.GraphModule, mode) -> None:
+    """Make export's values share storage where eager's do: export gives a new tensor for an op eager
+    decomposes into returning its input (HF ViT's dropouts with p=0), and for every view of it, so the
+    memory model (fxopt.analysis.memory, which identifies tensors by storage) counted bytes that are
+    never allocated and freed the input too early. Such ops, and the views of a value that changed, run
+    again on export's fake tensors; a value is replaced only when it turns out to alias an input."""
+    prop, realiased = None, set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not (_may_return_an_input(node) or
+                                               any(i in realiased for i in node.all_input_nodes)):
+            continue
+        if prop is None:
+            prop = _torch_private.fake_tensor_prop(gm, mode)
+            prop.env = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
+        before = node.meta["val"]
+        inputs = {_storage(t) for a in node.all_input_nodes for t in _torch_private.tree_leaves(prop.env.get(a))}
+        try:
+            with preserved_state(gm), mode:
+                after = prop.run_node(node)
+        except Exception:  # noqa: BLE001 - a node that needs real values: keep export's value
+            after = None
+        if isinstance(after, torch.Tensor) and _storage(after) in inputs and _storage(before) not in inputs:
+            node.meta["val"] = prop.env[node] = after
+            realiased.add(node)
+        else:
+            node.meta["val"] = before
 
 
 def _is_concrete(value) -> bool:

@@ -98,8 +98,7 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
     verifier = None
     if verify:  # the reference runs on the model as it is now, before capture
         verifier = Verifier(source, args, training=mode == TRAINING, differentiable=pass_options.get("differentiable_outputs"))
-    captured = from_model(source, args, kwargs, dynamic_batch=settings.get(DYNAMIC_BATCH_SETTING, False),
-                          propagate=pass_options.get("memory_budget") is not None)
+    captured = from_model(source, args, kwargs, dynamic_batch=settings.get(DYNAMIC_BATCH_SETTING, False))
     ctx = PassContext(mode, dict(pass_options))
     report = run_pipeline(captured, pipeline, ctx, instruments=instruments, verifier=verifier)
     keep_graph_when_pickled(captured.module)  # also the GraphModules passes added

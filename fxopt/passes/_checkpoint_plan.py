@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 from ..analysis.memory import Region, StepProfile, estimate, segment_effect
@@ -139,17 +140,33 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
 
 
 def _best_final(finals: list[_Label], profile: StepProfile, budget: float, objective: str) -> tuple[Region, ...] | None:
-    """The best complete plan once its forward peak is checked too (the walk bounds only the backward).
-
-    Labels are estimated in order of the objective, cheapest first, and only until the answer is known: a
-    label's full peak is at least its walk's, so no later label can beat the best found (HF MobileNetV2
-    ends with 1365 labels; estimating every one was 2 of the 7 s optimize() took)."""
+    """The best plan by (cost, peak) or (peak, cost) once the forward's peak is counted too: the walk bounds
+    the backward only. A label's walked peak is a lower bound of its whole peak, so the labels are taken
+    in order of their objective and the whole estimate (O(steps) each) is made only while one may still win."""
     order = (lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost))
     best = None
     for label in sorted(finals, key=order):
-        if best is not None and order(label) > order(best):
-            break  # the full peak only raises a label's key: this one and every later one lose
-        full = dataclasses.replace(label, peak=estimate(profile, label.regions).peak)
-        if full.peak <= budget and (best is None or order(full) < order(best)):
-            best = full
+        if best is not None and (label.cost > best.cost if objective == "cost" else label.peak > best.peak):
+            break  # sorted: no later label can beat (or tie) the best
+        whole = dataclasses.replace(label, peak=estimate(profile, label.regions).peak)
+        if whole.peak <= budget and (best is None or order(whole) < order(best)):
+            best = whole
     return None if best is None else best.regions
+
+
+def untimed(profile: StepProfile) -> StepProfile:
+    """The same profile priced by FLOPs instead of measured times: plans chosen on it do not depend on
+    timing noise."""
+    steps = [dataclasses.replace(s, seconds=None, replay_seconds=None) for s in profile.steps]
+    return profile.repriced(steps)
+
+
+def plan_floor(profile: StepProfile, checkpointable: Sequence[bool],
+               allowed: Callable[[Region], bool] = lambda region: True) -> tuple[Region, ...]:
+    """The plan applied when no plan fits a budget: the lowest estimated peak, and among plans reaching it
+    the fewest recomputed FLOPs. Priced by FLOPs, not by measured times, so every budget below the floor
+    gets the same plan in every run (plans of equal estimated peak may differ in measured peak)."""
+    profile = untimed(profile)
+    lowest_plan = plan_regions(profile, math.inf, checkpointable, objective="peak", allowed=allowed)
+    cheapest = plan_regions(profile, estimate(profile, lowest_plan).peak, checkpointable, allowed=allowed)
+    return cheapest if cheapest is not None else lowest_plan

@@ -68,7 +68,7 @@ from ..analysis.ops import match_batch_norm
 from ..op_names import op_name
 from ..analysis.side_effects import MUTATION, effects
 from ..errors import FxoptError
-from ._checkpoint_plan import plan_regions
+from ._checkpoint_plan import plan_floor, plan_regions
 from ._checkpoint_region import CheckpointedRegion, can_recompute_batch_norm, extract_region, is_lone_state_update
 from ._checkpoint_writes import KeptWrites
 from .base import TRAINING, Pass, PassContext, PassResult
@@ -189,11 +189,8 @@ class CheckpointActivations(Pass):
 
         regions = plan_regions(profile, limit, checkpointable, allowed=keeps_nothing_written_later)
         if regions is None:
-            lowest_plan = plan_regions(profile, math.inf, checkpointable, objective="peak",
-                                       allowed=keeps_nothing_written_later)
-            lowest = estimate(profile, lowest_plan).peak
-            cheapest = plan_regions(profile, lowest, checkpointable, allowed=keeps_nothing_written_later)
-            regions = cheapest if cheapest is not None else lowest_plan
+            regions = plan_floor(profile, checkpointable, allowed=keeps_nothing_written_later)
+            lowest = estimate(profile, regions).peak
             why = _why_unreachable(result)
             result.record("refused", "<graph>", "budget_unreachable",
                           f"no plan fits {limit / 1e6:.2f} MB; lowest reachable {lowest / before.peak:.2f}x "

@@ -31,10 +31,9 @@ def from_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
     """`model` captured with torch.export as called with (args, kwargs), every graph with its shapes
     (with `dynamic_batch`, the whole model exported for any batch size: see `capture`).
 
-    A static export's own fake values serve as the shapes, unless `propagate`: then one propagation
-    from the example inputs gives them, as the memory planner needs (its storage accounting is
-    checked against measurement on propagated values; on export's, HF ViT's plan at budget 0.5
-    measured 0.57x of the peak where 0.5x was predicted).
+    A static export's own fake values serve as the shapes (where eager hands an input back, they are
+    made to share its storage: `adopt_concrete_shapes`), unless `propagate`: then one propagation
+    from the example inputs gives them.
     """
     captured = capture(model, args, kwargs, dynamic_batch=dynamic_batch)
     for g in captured.graphs:
