@@ -72,6 +72,8 @@ def test_second_run_changes_nothing():
 
 
 def test_default_pipelines_drop_before_inplace_relu():
-    """Both default pipelines run the pass, right before inplace_relu (which then sees the real producers)."""
+    """Both default pipelines run the pass before inplace_relu (which then sees the real producers), with
+    at most the layout pass between them."""
     for pipeline in DEFAULT_PIPELINES.values():
-        assert pipeline.index("drop_eval_dropout") == pipeline.index("inplace_relu") - 1
+        between = pipeline[pipeline.index("drop_eval_dropout") + 1:pipeline.index("inplace_relu")]
+        assert set(between) <= {"channels_last"}
