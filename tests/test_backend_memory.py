@@ -107,10 +107,36 @@ def test_mlp_step_matches_eager_at_each_budget(budget):
 
 
 def test_dropout_masks_are_not_redrawn_by_recomputation():
-    """Random ops are never tagged for recomputation: with dropout the step still equals eager's."""
+    """Random draws are never tagged for recomputation (a region recomputes a dropout from its mask): with dropout
+    the step still equals eager's."""
     torch.manual_seed(0)
     model = DeepMLP(dropout=0.3).double()
     _compiled_matches_eager(model, torch.randn(16, 32, dtype=torch.float64), memory_budget=0.1)
+
+
+class DroppedMixing(nn.Module):
+    """Blocks whose dropout output is read by a matmul's backward, as attention's probabilities are."""
+
+    def __init__(self, width: int = 64, depth: int = 3, dropout: float = 0.0):
+        super().__init__()
+        self.linears, self.dropout = nn.ModuleList(nn.Linear(width, width) for _ in range(depth)), dropout
+
+    def forward(self, x):
+        for linear in self.linears:
+            x = nn.functional.dropout(linear(x).softmax(-1), self.dropout, self.training) @ x
+        return x
+
+
+def test_dropout_is_recomputed_from_its_saved_mask():
+    """Under budget 0.1 a dropout in a recomputed region costs its bool mask, not its float output: with three
+    dropouts the saved bytes exceed those without by less than one mask."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 0.1 is below both models' floors
+        plain = _saved_bytes(DroppedMixing(), x, 0.1)[0]
+        dropped = _saved_bytes(DroppedMixing(dropout=0.3), x, 0.1)[0]
+    assert dropped < plain + x.numel(), (plain, dropped)  # saving the outputs instead: 94208 against 81920
 
 
 def test_train_mode_batch_norm_cnn_matches_eager():

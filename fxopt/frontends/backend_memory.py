@@ -69,6 +69,7 @@ from ..pipeline.report import PassReport, Report
 
 LADDER = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # planner limits, fractions of the estimated step peak
 STRIDE_GROWTH = 1.5  # strided plans: regions between every s-th boundary, s = 1, 2, 3, 5, 8, 11, 17, ...
+MERGE_TRIES = 8  # partitions tried merging neighbouring regions when no candidate fits (BudgetPartitioner._sequence)
 STEP_KEY = "fxopt_step"  # in node.meta["custom"]: the Dynamo node's position, copied onto its ATen nodes
 
 
@@ -188,7 +189,7 @@ class BudgetPartitioner:
                      for n in _forward_nodes(joint) if "recompute" in n.meta}
         tried = []  # (PartitionPeak, cost, candidate, (forward module, backward module)), in order of cost
         limit = None
-        for candidate in (None, *sorted(self.candidates, key=lambda c: c.cost)):
+        for candidate in self._sequence(tried):
             if candidate is not None and len(tried) == 1:
                 _dropout_applied_from_masks(joint)  # after the untagged partition: min-cut's own choice is the baseline
             self._tag(_forward_nodes(joint), candidate, user_tags)  # the partitioner may replace the graph (CSE)
@@ -210,6 +211,25 @@ class BudgetPartitioner:
                           f"torch.compile: lowest reachable {after.step / max(before.step, 1):.2f}x "
                           f"({after.step / 1e6:.2f} MB) of the step peak without recomputation", stacklevel=2)
         return chosen[3]
+
+    def _sequence(self, tried: list):
+        """The partitions to try, in a fixed order: untagged, the candidates by cost, then (none fitting) the
+        lowest-peak one with two neighbouring regions merged, while that lowers the peak (MERGE_TRIES at most).
+
+        A merge saves one region boundary fewer; when the peak is the backward of the last region (a CNN's
+        widest layer), the boundaries saved before it are what it can still lose. The order depends on the
+        graph alone (each step on the peaks before it), so first-fit stays monotonic in the budget.
+        """
+        yield None
+        yield from sorted(self.candidates, key=lambda c: c.cost)
+        rejected = set()
+        for _ in range(MERGE_TRIES):
+            best = min((t for t in tried if t[2] is not None), key=lambda t: (t[0].step, t[1]), default=None)
+            merged = next((m for m in _merges(best[2]) if m.name not in rejected), None) if best else None
+            if merged is None:
+                return
+            rejected.add(merged.name)
+            yield merged
 
     @staticmethod
     def _tag(forward: list[fx.Node], candidate: Candidate | None, user_tags: dict) -> None:
@@ -233,6 +253,14 @@ class BudgetPartitioner:
                 policy, region = next(iter(regions))
                 if len(regions) == 1 and policy == CheckpointPolicy.MUST_RECOMPUTE:
                     node.meta["recompute"], node.meta["ac_graph_id"] = policy, region
+
+
+def _merges(candidate: Candidate):
+    """`candidate` with region k + 1 joined to region k, for each k in order."""
+    regions = sorted({region for _, region in candidate.tags.values()})
+    for k, after in zip(regions, regions[1:]):
+        tags = {p: (policy, k if region == after else region) for p, (policy, region) in candidate.tags.items()}
+        yield Candidate(tags, candidate.cost, f"{candidate.name}, regions {k}+{after} merged")
 
 
 def _step(node: fx.Node):
