@@ -14,7 +14,8 @@ per region), the vocabulary selective activation checkpointing uses. So here:
    Each plan becomes tags per Dynamo node: a node in a whole region MUST_RECOMPUTE, in a
    selective region its matmul/conv/attention outputs MUST_SAVE and the rest MUST_RECOMPUTE.
    Each Dynamo node carries its position in `node.meta["custom"]`, which tracing copies to the
-   ATen nodes it becomes in the joint graph.
+   ATen nodes it becomes in the joint graph. Nodes Inductor's joint-graph passes make (its attention
+   pattern) have none: they take the region of the nodes that read them (`_made_by_joint_passes`).
 2. Choice (`BudgetPartitioner`, AOTAutograd's partition function): the joint graph is
    partitioned untagged first (the min-cut partitioner's own choice: budget 1.0), then under
    each candidate's tags in order of fxopt's recompute cost, until a partition's predicted step
@@ -37,9 +38,14 @@ a fraction in (0, 1], or a size with a unit. Under torch.compile both bound each
 graph's step peak (a graph break gives each graph the whole byte budget).
 
 Why it is safe: the partitioner recomputes tagged nodes from saved values inside the same
-functional graph; random ops are never tagged (the partitioner then saves their outputs, so
-dropout masks are not redrawn), and nodes the eager pass refuses stay untagged.
-Limits: the prediction is exact for aot_eager, which runs the partition op by op; Inductor fuses
+functional graph; random draws are never tagged (the partitioner then saves what they return, so
+nothing is drawn again), and nodes the eager pass refuses stay untagged. A dropout may lie in a
+region: its output is rewritten as ATen computes it from the mask the draw returns
+(`_dropout_applied_from_masks`, bitwise equal), so the region keeps the bool mask and recomputes
+the rest; under Inductor the decomposed dropout's values come from a saved seed, recomputed alike.
+Limits: the prediction follows aot_eager, which runs the partition op by op, except the kernels'
+own scratch (CPU convolution backward: the benchmark's CNN measured 8.43 MB where 7.86 MB was
+predicted, so plans whose peak is a convolution's backward rank too well); Inductor fuses
 pointwise ops (their intermediates never exist) and reuses buffers, so there the prediction is an
 upper bound and the measured ratios differ (benchmarks/compile_budget.py --inner inductor). Needs
 torch with `torch._inductor.config.custom_partitioner_fn` for `inner="inductor"`.
@@ -69,7 +75,6 @@ from ..pipeline.report import PassReport, Report
 
 LADDER = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # planner limits, fractions of the estimated step peak
 STRIDE_GROWTH = 1.5  # strided plans: regions between every s-th boundary, s = 1, 2, 3, 5, 8, 11, 17, ...
-MERGE_TRIES = 8  # partitions tried merging neighbouring regions when no candidate fits (BudgetPartitioner._sequence)
 STEP_KEY = "fxopt_step"  # in node.meta["custom"]: the Dynamo node's position, copied onto its ATen nodes
 
 
@@ -189,7 +194,7 @@ class BudgetPartitioner:
                      for n in _forward_nodes(joint) if "recompute" in n.meta}
         tried = []  # (PartitionPeak, cost, candidate, (forward module, backward module)), in order of cost
         limit = None
-        for candidate in self._sequence(tried):
+        for candidate in (None, *sorted(self.candidates, key=lambda c: c.cost)):
             if candidate is not None and len(tried) == 1:
                 _dropout_applied_from_masks(joint)  # after the untagged partition: min-cut's own choice is the baseline
             self._tag(_forward_nodes(joint), candidate, user_tags)  # the partitioner may replace the graph (CSE)
@@ -211,25 +216,6 @@ class BudgetPartitioner:
                           f"torch.compile: lowest reachable {after.step / max(before.step, 1):.2f}x "
                           f"({after.step / 1e6:.2f} MB) of the step peak without recomputation", stacklevel=2)
         return chosen[3]
-
-    def _sequence(self, tried: list):
-        """The partitions to try, in a fixed order: untagged, the candidates by cost, then (none fitting) the
-        lowest-peak one with two neighbouring regions merged, while that lowers the peak (MERGE_TRIES at most).
-
-        A merge saves one region boundary fewer; when the peak is the backward of the last region (a CNN's
-        widest layer), the boundaries saved before it are what it can still lose. The order depends on the
-        graph alone (each step on the peaks before it), so first-fit stays monotonic in the budget.
-        """
-        yield None
-        yield from sorted(self.candidates, key=lambda c: c.cost)
-        rejected = set()
-        for _ in range(MERGE_TRIES):
-            best = min((t for t in tried if t[2] is not None), key=lambda t: (t[0].step, t[1]), default=None)
-            merged = next((m for m in _merges(best[2]) if m.name not in rejected), None) if best else None
-            if merged is None:
-                return
-            rejected.add(merged.name)
-            yield merged
 
     @staticmethod
     def _tag(forward: list[fx.Node], candidate: Candidate | None, user_tags: dict) -> None:
@@ -253,14 +239,6 @@ class BudgetPartitioner:
                 policy, region = next(iter(regions))
                 if len(regions) == 1 and policy == CheckpointPolicy.MUST_RECOMPUTE:
                     node.meta["recompute"], node.meta["ac_graph_id"] = policy, region
-
-
-def _merges(candidate: Candidate):
-    """`candidate` with region k + 1 joined to region k, for each k in order."""
-    regions = sorted({region for _, region in candidate.tags.values()})
-    for k, after in zip(regions, regions[1:]):
-        tags = {p: (policy, k if region == after else region) for p, (policy, region) in candidate.tags.items()}
-        yield Candidate(tags, candidate.cost, f"{candidate.name}, regions {k}+{after} merged")
 
 
 def _step(node: fx.Node):
