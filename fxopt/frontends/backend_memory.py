@@ -299,7 +299,7 @@ def _made_by_joint_passes(forward: list[fx.Node]) -> dict[fx.Node, set[int]]:
     inside = set(forward)
     out = {}
     for node in forward:
-        if _step(node) is not None or _torch_private.op_is_random(node.target):
+        if _step(node) is not None or _draws(node):
             continue
         readers, stack, seen = set(), [node], {node}
         while stack:
