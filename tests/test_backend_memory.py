@@ -294,3 +294,17 @@ def test_hf_bert_under_inductor_recomputes_its_attention_pattern_with_the_same_d
     assert figures["peak_bytes_after"] < 0.6 * figures["peak_bytes_before"], figures
     worst, name, ok = max_difference(steps[0], steps[1], 1e-5, 1e-5)
     assert ok, f"{name} differs by {worst:.3g}"
+
+
+def test_max_pool_compiles_on_aot_eager_in_a_fresh_process():
+    """A CNN with max pooling under a budget on aot_eager compiles and trains in a process that never imported
+    Inductor's lowering (its max_pool2d decomposition reads it); a fresh interpreter, so other tests cannot hide it."""
+    import subprocess
+    import sys
+
+    script = ("import torch, fxopt\n"
+              "m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))\n"
+              "c = torch.compile(m, backend=fxopt.backend(inner='aot_eager', memory_budget=0.5))\n"
+              "c(torch.randn(2, 3, 16, 16)).sum().backward()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
