@@ -25,11 +25,21 @@ interleaving the two, thread CPU time with one torch thread (the other processes
 machine do not inflate it).
 
     python benchmarks/compile_budget.py [--inner aot_eager|inductor] [--models mlp,cnn,bert] [--rounds 5]
+
+--hf: Hugging Face BERT / ViT / ResNet-50 at the sizes of checkpoint_vs_peers.py (issue #12: BERT and
+ViT 6 layers 384 wide, BERT seq 128 batch 8, ViT and ResNet-50 batch 4; random weights, wrapped to
+return `last_hidden_state`), budgets 1.0 and 0.5 (--budgets), fxopt's budget beside torch's
+`activation_memory_budget`, each: step peak as a ratio of the same variant at 1.0 and of eager's
+step peak (both `zero_grad(set_to_none=True)`), step time as a ratio to eager (as above), and the
+first compiled step's wall-clock seconds (compile included; wall time, so load inflates it).
+
+    python benchmarks/compile_budget.py --hf [--models bert,vit,resnet50] [--inner aot_eager] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import time
 import warnings
 
 import torch
@@ -37,6 +47,7 @@ from tabulate import tabulate
 
 import fxopt
 from checkpoint_vs_peers import LastHiddenState
+from checkpoint_vs_peers import _models as hf_models
 from device import round_robin_ms
 from fxopt import _torch_private
 from fxopt.measure import measure_allocator_peak, measure_saved_bytes
@@ -69,6 +80,7 @@ def _bert():
 
 
 MODELS = {"mlp": _mlp, "cnn": _cnn, "bert": _bert}
+HF_MODELS = ("bert", "vit", "resnet50")
 
 
 def _inductor_budget_backend(inner: str, budget: float):
@@ -86,7 +98,9 @@ def _measure(model: torch.nn.Module, x: torch.Tensor, backend, rounds: int) -> d
     _torch_private.reset_dynamo()
     model = copy.deepcopy(model).train()
     compiled = torch.compile(model, backend=backend)
+    start = time.perf_counter()
     compiled(x).sum().backward()  # compile (the partitioner runs here), outside every measurement
+    compile_s = time.perf_counter() - start
 
     eager = copy.deepcopy(model)
 
@@ -99,7 +113,38 @@ def _measure(model: torch.nn.Module, x: torch.Tensor, backend, rounds: int) -> d
     return {"saved": measure_saved_bytes(lambda: compiled(x), model),
             "peak": measure_allocator_peak(model, (x,), forward=compiled, gradients_before=False),
             "peak(g)": measure_allocator_peak(model, (x,), forward=compiled),
-            "step": times["compiled"] / times["eager"]}
+            "step": times["compiled"] / times["eager"], "compile s": compile_s}
+
+
+def _hf_table(args) -> None:
+    """fxopt's budget vs torch's activation_memory_budget under torch.compile on the issue's HF models."""
+    budgets = [float(b) for b in args.budgets.split(",")]
+    factories = hf_models()
+    for name in args.models.split(","):
+        factory, x, _ = factories[name]
+        torch.manual_seed(0)
+        model = LastHiddenState(factory()).train()
+        eager_peak = measure_allocator_peak(model, (x,), gradients_before=False)
+        figures, plans = {}, {}
+        for budget in budgets:
+            fx_backend = fxopt.backend(inner=args.inner, passes=["checkpoint_activations"], memory_budget=budget)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                figures["fxopt", budget] = _measure(model, x, fx_backend, args.rounds)
+                figures["AMB", budget] = _measure(model, x, _inductor_budget_backend(args.inner, budget), args.rounds)
+            outcome = fx_backend.reports[0]["checkpoint_activations"].figures
+            plans[budget] = outcome["plan"] + ("" if outcome["budget_met"] else " (not met)")
+        rows = []
+        for budget in budgets:
+            row = [name, budget]
+            for variant in ("fxopt", "AMB"):
+                f = figures[variant, budget]
+                row += [f"{f['peak'] / figures[variant, budgets[0]]['peak']:.2f}x", f"{f['peak'] / eager_peak:.2f}x",
+                        f"{f['step']:.2f}x", f"{f['compile s']:.0f}"]
+            rows.append(row + [f"{eager_peak / 1e6:.1f}", plans[budget]])
+        print(tabulate(rows, headers=[
+            "model", "budget", "fxopt peak/1.0", "peak/eager", "step", "compile s", "AMB peak/1.0", "peak/eager",
+            "step", "compile s", "eager peak MB", "fxopt plan taken"]), flush=True)
 
 
 def main() -> None:
@@ -107,11 +152,18 @@ def main() -> None:
     parser.add_argument("--inner", choices=("aot_eager", "inductor"), default="aot_eager")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hf", action="store_true", help="HF BERT / ViT / ResNet-50 at the issue's sizes")
+    parser.add_argument("--budgets", default="1.0,0.5", help="with --hf: budgets, the first the reference")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"inner compiler: {args.inner}; memory: ratios of the same variant at budget 1.0; step: ratio to eager "
           f"(medians of {args.rounds} interleaved rounds of thread CPU time, 1 torch thread)")
+    if args.hf:
+        if args.models == ",".join(MODELS):
+            args.models = ",".join(HF_MODELS)
+        _hf_table(args)
+        return
     for name in args.models.split(","):
         model, x = MODELS[name]()
         figures = {}

@@ -207,6 +207,7 @@ def aot_eager_compile(gm, example_inputs, partition_fn=None):
     aot_eager, which decomposes nothing). `partition_fn(joint, joint_inputs, **kwargs)` replaces the min-cut
     partitioner. The graphs take their inputs boxed (torch's `boxed_nop`, as Inductor's code): each
     input, saved tensors included, is dropped after its last use, not held until the graph returns."""
+    import torch._inductor.lowering  # noqa: F401  Inductor's max_pool2d decomposition reads it; only Inductor imports it
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition

@@ -107,10 +107,36 @@ def test_mlp_step_matches_eager_at_each_budget(budget):
 
 
 def test_dropout_masks_are_not_redrawn_by_recomputation():
-    """Random ops are never tagged for recomputation: with dropout the step still equals eager's."""
+    """Random draws are never tagged for recomputation (a region recomputes a dropout from its mask): with dropout
+    the step still equals eager's."""
     torch.manual_seed(0)
     model = DeepMLP(dropout=0.3).double()
     _compiled_matches_eager(model, torch.randn(16, 32, dtype=torch.float64), memory_budget=0.1)
+
+
+class DroppedMixing(nn.Module):
+    """Blocks whose dropout output is read by a matmul's backward, as attention's probabilities are."""
+
+    def __init__(self, width: int = 64, depth: int = 3, dropout: float = 0.0):
+        super().__init__()
+        self.linears, self.dropout = nn.ModuleList(nn.Linear(width, width) for _ in range(depth)), dropout
+
+    def forward(self, x):
+        for linear in self.linears:
+            x = nn.functional.dropout(linear(x).softmax(-1), self.dropout, self.training) @ x
+        return x
+
+
+def test_dropout_is_recomputed_from_its_saved_mask():
+    """Under budget 0.1 a dropout in a recomputed region costs its bool mask, not its float output: with three
+    dropouts the saved bytes exceed those without by less than one mask."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 0.1 is below both models' floors
+        plain = _saved_bytes(DroppedMixing(), x, 0.1)[0]
+        dropped = _saved_bytes(DroppedMixing(dropout=0.3), x, 0.1)[0]
+    assert dropped < plain + x.numel(), (plain, dropped)  # saving the outputs instead: 94208 against 81920
 
 
 def test_train_mode_batch_norm_cnn_matches_eager():
@@ -245,3 +271,40 @@ def test_hf_bert_predicted_step_peak_matches_the_allocator():
             peak, backend = _step_peak(model, x, budget)
         figures = backend.reports[0]["checkpoint_activations"].figures
         assert abs(peak - figures["peak_bytes_after"]) <= 0.05 * peak, (budget, peak, figures)
+
+
+@pytest.mark.slow
+def test_hf_bert_under_inductor_recomputes_its_attention_pattern_with_the_same_dropout():
+    """Under Inductor (whose attention pattern makes nodes without fxopt's positions) budget 0.1 recomputes them:
+    the predicted step peak falls below 0.6x, and the step equals Inductor's without a budget, dropout masks included."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+                                     vocab_size=500, attn_implementation="eager")
+    model, x = _LastHiddenState(transformers.BertModel(config)).train(), torch.randint(0, 500, (4, 32))
+    steps = []
+    for options in ({}, {"memory_budget": 0.1}):
+        _torch_private.reset_dynamo()
+        candidate = copy.deepcopy(model)
+        backend = fxopt.backend(passes=["checkpoint_activations"], **options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # 0.1 is below this model's floor
+            steps.append(_step(torch.compile(candidate, backend=backend), candidate, x))
+    figures = backend.reports[0]["checkpoint_activations"].figures
+    assert figures["peak_bytes_after"] < 0.6 * figures["peak_bytes_before"], figures
+    worst, name, ok = max_difference(steps[0], steps[1], 1e-5, 1e-5)
+    assert ok, f"{name} differs by {worst:.3g}"
+
+
+def test_max_pool_compiles_on_aot_eager_in_a_fresh_process():
+    """A CNN with max pooling under a budget on aot_eager compiles and trains in a process that never imported
+    Inductor's lowering (its max_pool2d decomposition reads it); a fresh interpreter, so other tests cannot hide it."""
+    import subprocess
+    import sys
+
+    script = ("import torch, fxopt\n"
+              "m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))\n"
+              "c = torch.compile(m, backend=fxopt.backend(inner='aot_eager', memory_budget=0.5))\n"
+              "c(torch.randn(2, 3, 16, 16)).sum().backward()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

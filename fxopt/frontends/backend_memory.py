@@ -14,7 +14,8 @@ per region), the vocabulary selective activation checkpointing uses. So here:
    Each plan becomes tags per Dynamo node: a node in a whole region MUST_RECOMPUTE, in a
    selective region its matmul/conv/attention outputs MUST_SAVE and the rest MUST_RECOMPUTE.
    Each Dynamo node carries its position in `node.meta["custom"]`, which tracing copies to the
-   ATen nodes it becomes in the joint graph.
+   ATen nodes it becomes in the joint graph. Nodes Inductor's joint-graph passes make (its attention
+   pattern) have none: they take the region of the nodes that read them (`_made_by_joint_passes`).
 2. Choice (`BudgetPartitioner`, AOTAutograd's partition function): the joint graph is
    partitioned untagged first (the min-cut partitioner's own choice: budget 1.0), then under
    each candidate's tags in order of fxopt's recompute cost, until a partition's predicted step
@@ -37,9 +38,14 @@ a fraction in (0, 1], or a size with a unit. Under torch.compile both bound each
 graph's step peak (a graph break gives each graph the whole byte budget).
 
 Why it is safe: the partitioner recomputes tagged nodes from saved values inside the same
-functional graph; random ops are never tagged (the partitioner then saves their outputs, so
-dropout masks are not redrawn), and nodes the eager pass refuses stay untagged.
-Limits: the prediction is exact for aot_eager, which runs the partition op by op; Inductor fuses
+functional graph; random draws are never tagged (the partitioner then saves what they return, so
+nothing is drawn again), and nodes the eager pass refuses stay untagged. A dropout may lie in a
+region: its output is rewritten as ATen computes it from the mask the draw returns
+(`_dropout_applied_from_masks`, bitwise equal), so the region keeps the bool mask and recomputes
+the rest; under Inductor the decomposed dropout's values come from a saved seed, recomputed alike.
+Limits: the prediction follows aot_eager, which runs the partition op by op, except the kernels'
+own scratch (CPU convolution backward: the benchmark's CNN measured 8.43 MB where 7.86 MB was
+predicted, so plans whose peak is a convolution's backward rank too well); Inductor fuses
 pointwise ops (their intermediates never exist) and reuses buffers, so there the prediction is an
 upper bound and the measured ratios differ (benchmarks/compile_budget.py --inner inductor). Needs
 torch with `torch._inductor.config.custom_partitioner_fn` for `inner="inductor"`.
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import warnings
 
 import torch
@@ -55,6 +62,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import _torch_private
+from ..analysis.dropout_replay import replayed_dropout_p
 from ..analysis.memory import Region, StepProfile, estimate, step_profile
 from ..analysis.partition_memory import partition_peak
 from ..analysis.shapes import propagate_shapes
@@ -116,7 +124,8 @@ def plan_candidates(gm: fx.GraphModule, example_inputs: list) -> list[Candidate]
         return []
     for p, node in enumerate(_call_steps(gm)):
         node.meta["custom"] = {**node.meta.get("custom", {}), STEP_KEY: p}
-    checkpointable = [not refusal(s.node, copy) and RNG not in effects(s.node, copy) for s in profile.steps]
+    checkpointable = [not refusal(s.node, copy) and (RNG not in effects(s.node, copy) or replayed_dropout_p(s.node))
+                      for s in profile.steps]
     peak = estimate(profile).peak
     plans = [(f"planner at {f}x peak", plan_regions(profile, f * peak, checkpointable)) for f in LADDER]
     plans.append(("lowest-peak plan", plan_regions(profile, math.inf, checkpointable, objective="peak")))
@@ -186,6 +195,8 @@ class BudgetPartitioner:
         tried = []  # (PartitionPeak, cost, candidate, (forward module, backward module)), in order of cost
         limit = None
         for candidate in (None, *sorted(self.candidates, key=lambda c: c.cost)):
+            if candidate is not None and len(tried) == 1:
+                _dropout_applied_from_masks(joint)  # after the untagged partition: min-cut's own choice is the baseline
             self._tag(_forward_nodes(joint), candidate, user_tags)  # the partitioner may replace the graph (CSE)
             modules = _torch_private.min_cut_partition(joint, joint_inputs, **kwargs)
             tried.append((partition_peak(joint, *modules), candidate.cost if candidate else 0, candidate, modules))
@@ -209,15 +220,100 @@ class BudgetPartitioner:
     @staticmethod
     def _tag(forward: list[fx.Node], candidate: Candidate | None, user_tags: dict) -> None:
         """Set `candidate`'s tags on the forward nodes (None: none); the user's own tags are kept."""
+        made = _made_by_joint_passes(forward) if candidate is not None else {}
         for node in forward:
             if node.name in user_tags:
                 node.meta["recompute"], node.meta["ac_graph_id"] = user_tags[node.name]
                 continue
             node.meta.pop("recompute", None)
             node.meta.pop("ac_graph_id", None)
-            step = node.meta.get("custom", {}).get(STEP_KEY)
-            if candidate is not None and step in candidate.tags:
+            if candidate is None:
+                continue
+            step = _step(node)
+            if _draws(node):
+                continue  # never recomputed: the partitioner saves what it makes (a dropout's mask)
+            if step in candidate.tags:
                 node.meta["recompute"], node.meta["ac_graph_id"] = candidate.tags[step]
+            elif node in made:
+                regions = {candidate.tags.get(s, (None, None)) for s in made[node]}
+                policy, region = next(iter(regions))
+                if len(regions) == 1 and policy == CheckpointPolicy.MUST_RECOMPUTE:
+                    node.meta["recompute"], node.meta["ac_graph_id"] = policy, region
+
+
+def _step(node: fx.Node):
+    return node.meta.get("custom", {}).get(STEP_KEY)
+
+
+def _draws(node: fx.Node) -> bool:
+    """Whether `node` draws random numbers, or is an element of what such an op returns."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node.op == "call_function" and _torch_private.op_is_random(node.target)
+
+
+def _dropout_applied_from_masks(joint: fx.GraphModule) -> None:
+    """Each train-mode `native_dropout(x, p)` of the forward: its output read as `x * mask * (1 / (1 - p))`.
+
+    That is ATen's own computation of the output (bitwise equal, float32 and float64), written as two
+    pointwise ops of the bool mask the dropout returns, which carry the dropout's Dynamo position: a
+    region that recomputes the dropout recomputes those from the saved mask (a quarter of a float32
+    output) while the draw itself is never tagged (`_draws`), so the random numbers are drawn once, as
+    eager draws them. Under Inductor dropout is decomposed before the partitioner (its random values
+    come from a saved seed); there is no `native_dropout` to rewrite.
+    """
+    graph = joint.graph
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.native_dropout.default)):
+        x, p = node.args[0], node.args[1]
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+        outputs = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+        if train is False or not isinstance(p, float) or not 0 < p < 1 or 0 not in outputs:
+            continue
+        if 1 not in outputs:
+            with graph.inserting_after(node):
+                outputs[1] = graph.call_function(operator.getitem, (node, 1))
+            outputs[1].meta = {**node.meta, "val": node.meta["val"][1]}
+        with graph.inserting_after(outputs[1]):
+            kept = graph.call_function(torch.ops.aten.mul.Tensor, (x, outputs[1]))
+        with graph.inserting_after(kept):
+            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (kept, 1.0 / (1.0 - p)))
+        for new in (kept, scaled):
+            new.meta = {key: value for key, value in outputs[0].meta.items() if key != "val"}
+            new.meta["val"] = torch.empty_like(outputs[0].meta["val"])
+        outputs[0].replace_all_uses_with(scaled)
+        graph.erase_node(outputs[0])
+    joint.recompile()
+
+
+def _made_by_joint_passes(forward: list[fx.Node]) -> dict[fx.Node, set[int]]:
+    """Forward nodes without a Dynamo position (made by Inductor's joint-graph passes, e.g. its attention
+    pattern, which keep only `recompute` tags already set) -> the positions of the nearest positioned
+    forward nodes that read them (through other such nodes); random ops, and nodes no positioned forward
+    node reads, are left out.
+
+    Such a node inherits its readers' region when they all lie in one recomputed region: a node the
+    candidate cannot name would otherwise be saved, and with it the region's largest tensors (measured:
+    HF BERT's attention scores under Inductor). What it reads is saved or recomputed as the partitioner
+    decides, as for any recomputed node.
+    """
+    inside = set(forward)
+    out = {}
+    for node in forward:
+        if _step(node) is not None or _draws(node):
+            continue
+        readers, stack, seen = set(), [node], {node}
+        while stack:
+            for user in stack.pop().users:
+                if user in seen or user not in inside:
+                    continue
+                seen.add(user)
+                if _step(user) is not None:
+                    readers.add(_step(user))
+                else:
+                    stack.append(user)
+        if readers:
+            out[node] = readers
+    return out
 
 
 def compile_with_memory_budget(gm: fx.GraphModule, example_inputs: list, budget, inner: str,
