@@ -24,8 +24,8 @@ When it does nothing (reason in the report):
   input_aliased       the input, or a view of it, is written in place or returned: the copy would
                       hide that write or that alias from the caller
   layout_not_restored a tensor leaving the rewritten ops has strides in eager that are not contiguous,
-                      so a copy cannot give them back, or an op other than those writes into it in
-                      place, so a copy would take the write (the graph is left as it was)
+                      so a copy cannot give them back, or it (or a view of it) is written in place,
+                      so a copy would take the write or hide it (the graph is left as it was)
 In training mode and under torch.compile (Inductor picks layouts itself) it does not run.
 """
 from __future__ import annotations
@@ -103,10 +103,13 @@ def _fake_mode(gm: fx.GraphModule):
     return _torch_private.detect_fake_mode([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
 
 
-def _propagate_and_restore(gm: fx.GraphModule, eager_values: dict, added: list[fx.Node]) -> fx.Node | None:
+def _propagate_and_restore(gm: fx.GraphModule, eager_values: dict, added: list[fx.Node],
+                           aliases: AliasInfo) -> fx.Node | None:
     """Run the graph on fake tensors in order; before each op outside the layout-free ones (and the output),
     copy an input whose strides now differ from eager's back to eager's contiguous strides, appending the
-    copies to `added`. Returns the first tensor whose eager strides cannot be given back, if any.
+    copies to `added`. Returns the first tensor whose eager strides cannot be given back, if any: not
+    contiguous in eager, or a tensor that it or one of its aliases (`aliases`, of the graph before the
+    rewrite) is written in place, where the copy's reader would no longer see the write (or take it).
 
     Nodes none of whose inputs changed strides keep their value (as `update_shapes` would)."""
     mode = _fake_mode(gm)
@@ -123,8 +126,8 @@ def _propagate_and_restore(gm: fx.GraphModule, eager_values: dict, added: list[f
                     now, eager = tensor_meta(value), eager_values.get(value)
                     if now is None or eager is None or _same_layout(now, eager):
                         continue
-                    if _writes(node) or not eager.is_contiguous():
-                        return value
+                    if _writes(node) or not eager.is_contiguous() or any(map(_writes, aliases.aliases(value))):
+                        return value  # a copy would take a write, or hide one from this reader
                     if value not in copies:
                         with gm.graph.inserting_before(node):
                             copies[value] = gm.graph.call_function(
@@ -175,7 +178,7 @@ class ChannelsLast(Pass):
         eager_values = {n: tensor_meta(n) for n in gm.graph.nodes}
         eager_meta = {n: n.meta.get("val") for n in gm.graph.nodes}
         added = [self._convert_input(gm.graph, node) for node in inputs]
-        wrong = _propagate_and_restore(gm, eager_values, added)
+        wrong = _propagate_and_restore(gm, eager_values, added, aliases)
         if wrong is not None:
             for node in reversed(added):
                 node.replace_all_uses_with(node.args[0])
