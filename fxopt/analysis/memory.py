@@ -58,6 +58,7 @@ class Step:
     seconds: float | None = None  # its forward's measured time (fxopt.analysis.op_times), if measured
     mask: frozenset = frozenset()  # a dropout a region may replay: its mask's key (fxopt.analysis.dropout_replay)
     replay_seconds: float | None = None  # the replay's measured time, if measured
+    outputs: frozenset = frozenset()  # the storages of its output value it creates (creates less private buffers)
 
     @property
     def replay_saving(self) -> int:
@@ -183,7 +184,8 @@ class StepProfile:
         """Live bytes above `counted` during a region's backward: its recomputation makes again what its
         steps save (and the last step's output on the way); each is freed after the backward of its
         first holder, while the gradients at each step are alive and its backward makes a temporary the
-        size of its output (softmax, GELU: the old model's all-at-once bound hid these)."""
+        size of its output (softmax, GELU: the old model's all-at-once bound hid these; its output only, not the
+        private buffers it makes, a dropout's noise and mask, which are counted as saved or kept already)."""
         first_holder: dict = {}
         for q in range(r.start, r.stop):
             for k in self.steps[q].saved:
@@ -196,7 +198,7 @@ class StepProfile:
         alive, peak = 0, 0
         for q in range(r.start, r.stop):  # alive at q's backward: what steps at or before q still hold,
             alive += freed_at[q - r.start]  # the gradients, and a temporary the size of q's output
-            peak = max(peak, alive + self.grad_live[q] + self.bytes_of(self.steps[q].creates))
+            peak = max(peak, alive + self.grad_live[q] + self.bytes_of(self.steps[q].outputs))
         return max(peak, alive + last_output + self.grad_live[r.stop - 1])
 
     def repriced(self, steps: list[Step]) -> StepProfile:
@@ -299,6 +301,7 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
             if key not in free and key not in nbytes:
                 nbytes[key] = t.untyped_storage().nbytes()
                 creates.add(key)
+        outputs = frozenset(creates)
         reads = {_storage(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))} - free
         saved = _saved_keys(node, free, nbytes) if node in needs_grad else set()
         creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
@@ -308,7 +311,7 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
         steps.append(Step(node, frozenset(creates), frozenset(reads & nbytes.keys()), frozenset(saved),
                           flops.get(node.name, 0), flops.get(node.name, 0) > 0,
                           seconds.get(node.name, 0.0) if timed else None, mask,
-                          seconds.get(replay_key(node.name), 0.0) if timed and mask else None))
+                          seconds.get(replay_key(node.name), 0.0) if timed and mask else None, outputs))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
