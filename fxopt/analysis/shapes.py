@@ -11,6 +11,7 @@ device, requires_grad), runs again on fake tensors; every other node keeps its v
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -97,25 +98,32 @@ def _alias_returned_inputs(gm: fx.GraphModule, mode) -> None:
     never allocated and freed the input too early. Such ops, and the views of a value that changed, run
     again on export's fake tensors; a value is replaced only when it turns out to alias an input."""
     prop, realiased = None, set()
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not (_may_return_an_input(node) or
-                                               any(i in realiased for i in node.all_input_nodes)):
-            continue
-        if prop is None:
-            prop = _torch_private.fake_tensor_prop(gm, mode)
-            prop.env = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
-        before = node.meta["val"]
-        inputs = {_storage(t) for a in node.all_input_nodes for t in _torch_private.tree_leaves(prop.env.get(a))}
-        try:
-            with preserved_state(gm), mode:
-                after = prop.run_node(node)
-        except Exception:  # noqa: BLE001 - a node that needs real values: keep export's value
-            after = None
-        if isinstance(after, torch.Tensor) and _storage(after) in inputs and _storage(before) not in inputs:
-            node.meta["val"] = prop.env[node] = after
-            realiased.add(node)
-        else:
-            node.meta["val"] = before
+    with contextlib.ExitStack() as state:  # the model's state is saved once, on the first node run again
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or not (_may_return_an_input(node) or
+                                                   any(i in realiased for i in node.all_input_nodes)):
+                continue
+            if prop is None:
+                state.enter_context(preserved_state(gm))
+                prop = _torch_private.fake_tensor_prop(gm, mode)
+                prop.env = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
+            _run_again(node, prop, mode, realiased)
+
+
+def _run_again(node: fx.Node, prop, mode, realiased: set) -> None:
+    """Run `node` again on export's fake tensors; keep the new value only if it aliases an input."""
+    before = node.meta["val"]
+    inputs = {_storage(t) for a in node.all_input_nodes for t in _torch_private.tree_leaves(prop.env.get(a))}
+    try:
+        with mode:
+            after = prop.run_node(node)
+    except Exception:  # noqa: BLE001 - a node that needs real values: keep export's value
+        after = None
+    if isinstance(after, torch.Tensor) and _storage(after) in inputs and _storage(before) not in inputs:
+        node.meta["val"] = prop.env[node] = after
+        realiased.add(node)
+    else:
+        node.meta["val"] = before
 
 
 def _is_concrete(value) -> bool:
