@@ -572,6 +572,11 @@ def add_deepcopy_hook(gm, hook) -> None:
         gm._register_deepcopy_hook(hook)
 
 
+def fx_attribute_expression(root: str, target: str) -> str:
+    """How torch.fx's generated code reads attribute `target` of `root` (`self.a.b`, `getattr(self.a, "0")`)."""
+    return torch.fx.graph._format_target(root, target)
+
+
 def replace_forward_source(gm, src: str, globals_: dict) -> None:
     """Make `gm.forward` run `src` until its next recompile. `gm.code` stays torch.fx's text; `src` must have
     the same lines, so that a traceback's line (and the GraphModule's line map) still points at the right node."""

@@ -38,14 +38,6 @@ def _attribute_expression(gm: fx.GraphModule, target: str) -> str | None:
     return None
 
 
-def _torch_fx_expression(target: str) -> str:
-    """How torch.fx writes the read of `target` (torch.fx.graph's own formatting)."""
-    expression = "self"
-    for name in target.split("."):
-        expression = f"{expression}.{name}" if name.isidentifier() else f'getattr({expression}, "{name}")'
-    return expression
-
-
 def read_attributes_directly(gm: fx.GraphModule) -> int:
     """Regenerate `gm.forward` with dict reads for its parameters and buffers; returns how many reads changed."""
     code = gm.graph.python_code(root_module="self")
@@ -53,7 +45,8 @@ def read_attributes_directly(gm: fx.GraphModule) -> int:
     index = {line.strip(): i for i, line in enumerate(lines)}
     changed = 0
     for node in gm.graph.find_nodes(op="get_attr"):
-        position = index.get(f"{node.name} = {_torch_fx_expression(node.target)}")
+        as_written = _torch_private.fx_attribute_expression("self", node.target)
+        position = index.get(f"{node.name} = {as_written}")
         expression = _attribute_expression(gm, node.target)
         if position is not None and expression is not None:
             indent = lines[position][:len(lines[position]) - len(lines[position].lstrip())]

@@ -36,6 +36,7 @@ import torch.fx as fx
 from .. import _torch_private
 from ..analysis.aliasing import AliasInfo
 from ..analysis.shapes import tensor_meta
+from ..analysis.side_effects import MUTATION, effects
 from ..op_names import op_name
 from .base import INFERENCE, Pass, PassContext, PassResult, site_name
 
@@ -95,7 +96,7 @@ def _written_or_returned(node: fx.Node, aliases: AliasInfo) -> bool:
 
 
 def _writes(node: fx.Node) -> bool:
-    return node.op == "call_function" and _torch_private.op_is_mutable(node.target)
+    return MUTATION in effects(node, node.graph.owning_module)
 
 
 def _fake_mode(gm: fx.GraphModule):
