@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..state_preservation import preserved_state
+from .side_effects import effects
 
 
 def _to_meta(value):
@@ -97,33 +98,65 @@ def _alias_returned_inputs(gm: fx.GraphModule, mode) -> None:
     memory model (fxopt.analysis.memory, which identifies tensors by storage) counted bytes that are
     never allocated and freed the input too early. Such ops, and the views of a value that changed, run
     again on export's fake tensors; a value is replaced only when it turns out to alias an input."""
-    prop, realiased = None, set()
-    with contextlib.ExitStack() as state:  # the model's state is saved once, on the first node run again
+    with FakeRerun(gm, mode) as rerun:
         for node in gm.graph.nodes:
-            if node.op != "call_function" or not (_may_return_an_input(node) or
-                                                   any(i in realiased for i in node.all_input_nodes)):
-                continue
-            if prop is None:
-                state.enter_context(preserved_state(gm))
-                prop = _torch_private.fake_tensor_prop(gm, mode)
-                prop.env = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
-            _run_again(node, prop, mode, realiased)
+            if node.op == "call_function" and (_may_return_an_input(node) or rerun.input_changed(node)):
+                _keep_if_aliasing(node, rerun)
 
 
-def _run_again(node: fx.Node, prop, mode, realiased: set) -> None:
+def _keep_if_aliasing(node: fx.Node, rerun: FakeRerun) -> None:
     """Run `node` again on export's fake tensors; keep the new value only if it aliases an input."""
     before = node.meta["val"]
-    inputs = {_storage(t) for a in node.all_input_nodes for t in _torch_private.tree_leaves(prop.env.get(a))}
+    inputs = {_storage(t) for a in node.all_input_nodes for t in _torch_private.tree_leaves(a.meta.get("val"))}
     try:
-        with mode:
-            after = prop.run_node(node)
+        after = rerun.run(node)
     except Exception:  # noqa: BLE001 - a node that needs real values: keep export's value
         after = None
     if isinstance(after, torch.Tensor) and _storage(after) in inputs and _storage(before) not in inputs:
-        node.meta["val"] = prop.env[node] = after
-        realiased.add(node)
+        rerun.keep(node, after)
+        rerun.changed.add(node)
     else:
-        node.meta["val"] = before
+        rerun.keep(node, before)
+
+
+class FakeRerun:
+    """Runs chosen nodes of a graph again on the fake tensors its nodes hold (`meta["val"]`), one at a
+    time in the order the caller picks; every other node keeps its value. The one way fxopt re-runs part
+    of a graph: after a pass (`update_shapes`), on export's values, and after a layout change.
+
+    Used as a context manager: the first node run again that may have an effect (a train-mode
+    BatchNorm bumps its real `num_batches_tracked` even on fake inputs) saves the model's state, and
+    leaving the block puts it back. `changed` is the caller's record of nodes whose value changed."""
+
+    def __init__(self, gm: fx.GraphModule, mode):
+        self.gm, self.mode = gm, mode
+        self.changed: set[fx.Node] = set()
+        self._prop = _torch_private.fake_tensor_prop(gm, mode)
+        self._prop.env = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
+        self._state = contextlib.ExitStack()
+        self._state_saved = False
+
+    def __enter__(self) -> FakeRerun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._state.close()
+
+    def input_changed(self, node: fx.Node) -> bool:
+        return any(i in self.changed for i in node.all_input_nodes)
+
+    def run(self, node: fx.Node):
+        """Run `node` on its inputs' current values; its `meta["val"]` becomes the result, which is returned."""
+        if not self._state_saved and effects(node, self.gm):
+            self._state.enter_context(preserved_state(self.gm))
+            self._state_saved = True
+        with self.mode:
+            value = self._prop.env[node] = self._prop.run_node(node)  # which also sets `meta["val"]`
+        return value
+
+    def keep(self, node: fx.Node, value) -> None:
+        """Give `node` this value (a node added to the graph gets one without running)."""
+        node.meta["val"] = self._prop.env[node] = value
 
 
 def _is_concrete(value) -> bool:
@@ -176,26 +209,6 @@ def _metadata(value):
     return str(value) if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) else type(value)
 
 
-class _ChangedShapeProp(fx.Interpreter):
-    """Runs the nodes a pass changed, and those whose inputs' metadata changed; the rest give their `val`."""
-
-    def __init__(self, gm: fx.GraphModule, mode, stale: set[fx.Node]):
-        super().__init__(gm)
-        self.prop = _torch_private.fake_tensor_prop(gm, mode)
-        self.stale = stale
-        self.changed: set[fx.Node] = set()
-
-    def run_node(self, n):
-        if n not in self.stale and not any(i in self.changed for i in n.all_input_nodes):
-            return n.meta["val"]
-        before = _metadata(n.meta.get("val", _MISSING))
-        self.prop.env = self.env
-        result = self.prop.run_node(n)
-        if _metadata(n.meta.get("val", _MISSING)) != before:
-            self.changed.add(n)
-        return result
-
-
 def update_shapes(gm: fx.GraphModule, example_inputs: tuple) -> int:
     """Bring `node.meta["val"]` up to date after a pass changed `gm` (see module docstring).
 
@@ -211,15 +224,18 @@ def update_shapes(gm: fx.GraphModule, example_inputs: tuple) -> int:
     if whole:
         propagate_shapes(gm, example_inputs)
         return len(gm.graph.nodes)
-    runner = _ChangedShapeProp(gm, mode, stale)
     try:
-        with preserved_state(gm), mode:
-            runner.run(*placeholders)
+        with FakeRerun(gm, mode) as rerun:
+            for node in gm.graph.nodes:
+                if node in stale or rerun.input_changed(node):
+                    before = _metadata(node.meta.get("val", _MISSING))
+                    if _metadata(rerun.run(node)) != before:
+                        rerun.changed.add(node)
     except Exception:  # noqa: BLE001 - a node that needs real values: propagate as the first time
         propagate_shapes(gm, example_inputs)
         return len(gm.graph.nodes)
     remember_shape_sources(gm)
-    return len(stale | runner.changed)
+    return len(stale | rerun.changed)
 
 
 def tensor_meta(node) -> torch.Tensor | None:

@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..analysis.aliasing import AliasInfo
-from ..analysis.shapes import tensor_meta
+from ..analysis.shapes import FakeRerun, tensor_meta
 from ..analysis.side_effects import MUTATION, effects
 from ..op_names import op_name
 from .base import INFERENCE, Pass, PassContext, PassResult, site_name
@@ -113,14 +113,11 @@ def _propagate_and_restore(gm: fx.GraphModule, eager_values: dict, added: list[f
     rewrite) is written in place, where the copy's reader would no longer see the write (or take it).
 
     Nodes none of whose inputs changed strides keep their value (as `update_shapes` would)."""
-    mode = _fake_mode(gm)
-    prop = _torch_private.fake_tensor_prop(gm, mode)
-    changed: set[fx.Node] = set(added)
     copies: dict[fx.Node, fx.Node] = {}
-    with mode:
+    with FakeRerun(gm, _fake_mode(gm)) as rerun:
+        rerun.changed.update(added)
         for node in list(gm.graph.nodes):
             if node.op == "placeholder":
-                prop.env[node] = node.meta.get("val")
                 continue
             if not _layout_free(node) and node not in added:
                 for value in node.all_input_nodes:
@@ -133,21 +130,19 @@ def _propagate_and_restore(gm: fx.GraphModule, eager_values: dict, added: list[f
                         with gm.graph.inserting_before(node):
                             copies[value] = gm.graph.call_function(
                                 torch.ops.aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
-                        prop.env[copies[value]] = prop.run_node(copies[value])
+                        rerun.run(copies[value])
                         added.append(copies[value])
                     node.replace_input_with(value, copies[value])
             if node.op == "output":
                 break
-            if node in changed or any(i in changed for i in node.all_input_nodes):
+            if node in rerun.changed or rerun.input_changed(node):
                 try:
-                    prop.env[node] = prop.run_node(node)
+                    rerun.run(node)
                 except Exception:  # noqa: BLE001 - an op that cannot take the new strides (a view)
                     return node
                 if tensor_meta(node) is None or eager_values.get(node) is None \
                         or not _same_layout(tensor_meta(node), eager_values[node]):
-                    changed.add(node)
-            else:
-                prop.env[node] = node.meta.get("val")
+                    rerun.changed.add(node)
     return None
 
 
