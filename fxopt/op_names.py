@@ -16,6 +16,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
 
 from . import _torch_private
 from .graph_functions import declared
@@ -55,6 +56,13 @@ def bound_argument(fn, args: tuple, kwargs: dict, name: str, default):
     except TypeError:  # arguments the signature does not take: keywords only
         value = kwargs.get(name, default)
     return None if isinstance(value, fx.Node) else value
+
+
+def call_arguments(node: fx.Node) -> dict | None:
+    """Every argument of a call_function node by parameter name, in the order of its schema or signature
+    (defaults filled in); None where the target has neither."""
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    return None if normalized is None else normalized.kwargs
 
 
 def is_inplace_call(target, args: tuple = (), kwargs: dict | None = None) -> bool:

@@ -24,11 +24,9 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from ..op_names import call_arguments
 
 _aten = torch.ops.aten
-
-
-_SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")  # then keyword-only ones
 
 
 def drop_constant_masks(gm: fx.GraphModule) -> int:
@@ -37,16 +35,16 @@ def drop_constant_masks(gm: fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _aten.scaled_dot_product_attention.default:
             continue
-        arguments = {**dict(zip(_SDPA_ARGUMENTS, node.args)), **node.kwargs}
+        arguments = call_arguments(node)
         mask = arguments.get("attn_mask")
-        if not isinstance(mask, fx.Node) or arguments.get("is_causal", False) is not False:
+        if not isinstance(mask, fx.Node) or arguments.get("is_causal") is not False:
             continue
         kind = _constant_mask_kind(mask)
         if kind is None:
             continue
-        _set_argument(node, "attn_mask", None)
+        _set_argument(node, arguments, "attn_mask", None)
         if kind == "causal":
-            _set_argument(node, "is_causal", True)
+            _set_argument(node, arguments, "is_causal", True)
         _erase_unused(mask)
         changed += 1
     if changed:
@@ -55,9 +53,10 @@ def drop_constant_masks(gm: fx.GraphModule) -> int:
     return changed
 
 
-def _set_argument(node: fx.Node, name: str, value) -> None:
-    """Set SDPA argument `name` of `node` where the call passes it (by position or keyword), else by keyword."""
-    index = _SDPA_ARGUMENTS.index(name)
+def _set_argument(node: fx.Node, arguments: dict, name: str, value) -> None:
+    """Set argument `name` of `node` where the call passes it (by position or keyword), else by keyword;
+    `arguments` are all of the call's, in the schema's order (`call_arguments`)."""
+    index = list(arguments).index(name)
     if index < len(node.args):
         node.args = (*node.args[:index], value, *node.args[index + 1:])
     else:

@@ -91,13 +91,8 @@ class OptimizedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         variants = self._variants
-        if variants:  # inlined check and run of the current variant: this is every call's overhead
-            variant = variants[0]
-            bound = variant.bound or _bound(variant, self.original)
-            if bound.first_failure(args, kwargs) is None:
-                out = variant.module(*args, **kwargs)
-                bound.note_own_writes()
-                return out
+        if variants and _bound(variants[0], self.original).first_failure(args, kwargs) is None:
+            return _run(variants[0], args, kwargs)  # the current variant's guards hold: every call's path
         return self._call_after_guard_failure(args, kwargs)
 
     def _call_after_guard_failure(self, args: tuple, kwargs: dict):
