@@ -13,10 +13,13 @@ live anyway and cost nothing (as in `fxopt.measure`).
   it, or a region that keeps it (its inputs, and in a selective region its matmul outputs);
 * the backward of a node at position p holds every kept tensor whose first holder is at or
   before p, plus the gradients of the tensors crossing p and of the trainable parameters it
-  reads (`grad_live`: made before they accumulate into `.grad`);
+  reads (`grad_live`: made before they accumulate into `.grad`), plus what a convolution's backward
+  allocates beyond those gradients (`Step.backward_scratch`, fxopt.analysis.conv_scratch: oneDNN's own
+  copies of the gradients, reorders, partial sums);
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
   on top of what is kept, while its backward starts, and each is freed after the backward of its
-  first holder, as the gradients inside the region come and go; a region may keep the masks of its
+  first holder, as the gradients inside the region come and go (each step's backward with a temporary: a
+  convolution's scratch, else the size of its output); a region may keep the masks of its
   dropouts and replay them (`Region.replay_dropout`, fxopt.analysis.dropout_replay);
 * the forward at p holds the kept tensors made so far and the tensors still to be read.
 
@@ -33,12 +36,13 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from .conv_scratch import conv_backward_scratch
 from .dropout_replay import draws_unreplayed, replayed_dropout_p
 from .flops import node_flops
 from .grad_needs import analyze_grad_needs
 from .op_times import node_seconds, replay_key
 from .region_overhead import RegionOverhead, region_overhead
-from .ops import resolve
+from .ops import match_conv, resolve
 from .saved_tensors import saved_bytes, saved_for_backward
 from .shapes import tensor_meta
 
@@ -59,6 +63,7 @@ class Step:
     mask: frozenset = frozenset()  # a dropout a region may replay: its mask's key (fxopt.analysis.dropout_replay)
     replay_seconds: float | None = None  # the replay's measured time, if measured
     outputs: frozenset = frozenset()  # the storages of its output value it creates (creates less private buffers)
+    backward_scratch: int | None = None  # what its backward allocates beyond its gradients, if known (a convolution)
 
     @property
     def replay_saving(self) -> int:
@@ -172,7 +177,8 @@ class StepProfile:
         key = (held, segment)
         if key not in self._deltas:
             if isinstance(segment, int):
-                keeps, stop, above = self.steps[segment].saved, segment + 1, self.grad_live[segment]
+                step = self.steps[segment]
+                keeps, stop, above = step.saved, segment + 1, self.grad_live[segment] + (step.backward_scratch or 0)
             else:
                 keeps, stop = self.region_keeps(segment), segment.stop
                 above = self._region_backward_peak(segment, keeps | held)
@@ -197,9 +203,14 @@ class StepProfile:
         last_output = self.bytes_of(self.steps[r.stop - 1].creates - counted - first_holder.keys())
         alive, peak = 0, 0
         for q in range(r.start, r.stop):  # alive at q's backward: what steps at or before q still hold,
-            alive += freed_at[q - r.start]  # the gradients, and a temporary the size of q's output
-            peak = max(peak, alive + self.grad_live[q] + self.bytes_of(self.steps[q].outputs))
+            alive += freed_at[q - r.start]  # the gradients, and q's backward temporary (_temporary)
+            peak = max(peak, alive + self.grad_live[q] + self._temporary(self.steps[q]))
         return max(peak, alive + last_output + self.grad_live[r.stop - 1])
+
+    def _temporary(self, step: Step) -> int:
+        """What a step's backward holds beyond the gradients inside a region: a convolution's scratch, else a
+        temporary the size of its output."""
+        return step.backward_scratch if step.backward_scratch is not None else self.bytes_of(step.outputs)
 
     def repriced(self, steps: list[Step]) -> StepProfile:
         """The same memory profile with `steps` priced otherwise (no region overhead): it shares the
@@ -311,7 +322,8 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
         steps.append(Step(node, frozenset(creates), frozenset(reads & nbytes.keys()), frozenset(saved),
                           flops.get(node.name, 0), flops.get(node.name, 0) > 0,
                           seconds.get(node.name, 0.0) if timed else None, mask,
-                          seconds.get(replay_key(node.name), 0.0) if timed and mask else None, outputs))
+                          seconds.get(replay_key(node.name), 0.0) if timed and mask else None, outputs,
+                          _conv_scratch(node, grad_needs) if node in needs_grad else None))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -325,6 +337,14 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
     grads = [g + _parameter_gradient_bytes(node, gm, trainable) for g, node in zip(grads, calls)]
     overhead = region_overhead(_device(gm)) if seconds is not None else None
     return StepProfile(steps, nbytes, last_read, grads, overhead)
+
+
+def _conv_scratch(node: fx.Node, grad_needs) -> int | None:
+    """A convolution's backward scratch (fxopt.analysis.conv_scratch), None for any other node."""
+    conv = match_conv(node)
+    if conv is None:
+        return None
+    return conv_backward_scratch(node, conv.input in grad_needs.requires_grad, conv.weight in grad_needs.requires_grad)
 
 
 def _device(gm: fx.GraphModule) -> torch.device:
