@@ -48,6 +48,41 @@ def test_predicted_peak_counts_the_convolution_backward_scratch(case):
     assert estimate(profile).peak == pytest.approx(measured, rel=0.1)
 
 
+LAYERS = {  # (conv, input): the phases that hold the most differ
+    "weight_sized": (torch.nn.Conv2d(256, 256, 3, padding=1, bias=False), torch.randn(2, 256, 4, 4)),
+    "activation_sized": (torch.nn.Conv2d(16, 16, 3, padding=1, bias=False), torch.randn(2, 16, 32, 32)),
+    "strided_1x1": (torch.nn.Conv2d(32, 64, 1, stride=2, bias=False), torch.randn(2, 32, 32, 32)),
+    "channels_last_3x3": (torch.nn.Conv2d(16, 16, 3, padding=1, bias=False),
+                          torch.randn(2, 16, 16, 16).contiguous(memory_format=torch.channels_last)),
+}
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_rule_matches_the_allocator_on_one_convolution(layer):
+    """The rule gives exactly what the allocator sees `convolution_backward` hold beyond the gradients it returns."""
+    from fxopt._torch_private import profiler_allocations
+
+    conv, x = LAYERS[layer]
+    node = next(n for n in exported_graph(conv, (x,)).graph.nodes if n.op == "call_function")
+    y = conv(x).detach()
+    grad_y = torch.randn_like(y)
+
+    def backward():
+        return torch.ops.aten.convolution_backward(grad_y, x, conv.weight.detach(), None, list(conv.stride),
+                                                   list(conv.padding), list(conv.dilation), False, [0, 0],
+                                                   conv.groups, [True, True, False])
+
+    backward()  # oneDNN builds its primitives once
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        grads = backward()
+    live = peak = 0
+    for _, _, nbytes in profiler_allocations(prof):
+        live += nbytes
+        peak = max(peak, live)
+    returned = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
+    assert conv_backward_scratch(node, True, True) == peak - returned
+
+
 def test_no_scratch_outside_onednn():
     """A float64 convolution does not run on oneDNN (ATen's own backend choice), so no scratch is modelled."""
     model, x = _ConvNet(8, 3, 1, channels_last=False).double().train(), torch.randn(2, 3, 4, 4, dtype=torch.float64)

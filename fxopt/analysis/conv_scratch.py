@@ -8,11 +8,11 @@ gradients of input, weight and bias that the memory model counts already
 (fxopt.analysis.memory, `grad_live` and the parameter gradients):
 
 * plain (NCHW) layout: oneDNN computes on blocked layouts, so each gradient is made twice, oneDNN's
-  own and the dense copy ATen returns, and the inputs of each primitive are reordered first.
-  Backward-weights holds the input gradient, reorders of input and output gradient (x + y) and
-  oneDNN's weight gradient, then oneDNN's and the dense weight gradient (w): max(x + y, w).
-  Without a weight gradient, backward-data holds the reordered output gradient and weight (y + w),
-  then oneDNN's and the dense input gradient (x): max(y + w, x).
+  own and the dense copy ATen returns, and the inputs of each primitive are reordered first
+  (`_plain_layout_scratch`, phase by phase). With both gradients that is max(x + y, w) beyond them
+  (x, y, w: the bytes of input, output and weight), and at least 2x - w for a strided 1x1
+  convolution (oneDNN computes its input gradient in a compact copy); with the input gradient only,
+  max(y + w, x) (2x for a strided 1x1).
   (HF ResNet-50's last 3x3, 512 -> 512 at 7x7: a second 9.44 MB weight-sized buffer.)
 * channels-last (input or weight suggests it): ATen gives oneDNN the input gradient itself; the
   weight gradient is oneDNN's, then dense, then a channels-last copy where that layout differs from
@@ -26,8 +26,6 @@ the rule against them on the layers it names). Other backends (float64's `Slow2d
 whose workspace is its own) are not modelled: 0.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.fx as fx
@@ -43,7 +41,27 @@ def _tuple(value, dims: int) -> list[int]:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return math.prod(t.shape) * t.element_size()
+    return _torch_private.size_hint(t.numel()) * t.element_size()
+
+
+def _strided_1x1(conv, weight: torch.Tensor) -> bool:
+    return all(k == 1 for k in weight.shape[2:]) and any(s > 1 for s in _tuple(conv.stride, conv.spatial_dims))
+
+
+def _plain_layout_scratch(xb: int, yb: int, wb: int, input_grad: bool, weight_grad: bool, strided_1x1: bool) -> int:
+    """The most a plain-layout backward holds at once, less the gradients it returns (module docstring), phase
+    by phase: backward-data holds the reordered output gradient and weight with oneDNN's input gradient, then
+    oneDNN's and the dense input gradient (and, for a strided 1x1, the compact copy oneDNN computes it in);
+    backward-weights holds the dense input gradient, reordered input and output gradient with oneDNN's weight
+    gradient, then oneDNN's and the dense weight gradient."""
+    returned = (xb if input_grad else 0) + (wb if weight_grad else 0)
+    held = []
+    if input_grad:
+        held += [yb + wb + xb, (3 if strided_1x1 else 2) * xb]
+    if weight_grad:
+        dense_input_grad = xb if input_grad else 0
+        held += [dense_input_grad + xb + yb + wb, dense_input_grad + 2 * wb]
+    return max(held) - returned
 
 
 def conv_backward_scratch(node: fx.Node, input_grad: bool, weight_grad: bool) -> int:
@@ -62,16 +80,13 @@ def conv_backward_scratch(node: fx.Node, input_grad: bool, weight_grad: bool) ->
     if backend != "Mkldnn" or conv.transposed:
         return 0
     xb, yb, wb = _nbytes(x), _nbytes(y), _nbytes(weight)
-    layouts = [_torch_private.suggests_channels_last(t) for t in (x, weight)]
-    if not any(layouts):
-        if not weight_grad:
-            return max(yb + wb, xb)
-        return max(xb + yb, wb)
-    copies = (0 if layouts[0] else xb) + (0 if layouts[1] else wb)
+    if not any(_torch_private.suggests_channels_last(t) for t in (x, weight)):
+        return _plain_layout_scratch(xb, yb, wb, input_grad, weight_grad, _strided_1x1(conv, weight))
+    channels_last = torch.channels_last if dims == 2 else torch.channels_last_3d
+    copies = sum(b for t, b in ((x, xb), (weight, wb)) if not t.is_contiguous(memory_format=channels_last))
     if not weight_grad:
         return copies + wb
-    dense_is_channels_last = torch.empty(weight.shape, device="meta").is_contiguous(
-        memory_format=torch.channels_last if dims == 2 else torch.channels_last_3d)
+    dense_is_channels_last = torch.empty(weight.shape, device="meta").is_contiguous(memory_format=channels_last)
     weight_copies = 1 if dense_is_channels_last else 2
     depthwise = conv.groups > 1 and weight.shape[1] == 1 and conv.groups == x.shape[1]
     if depthwise and max(weight.shape[2:]) > 3:

@@ -206,8 +206,10 @@ class CheckpointActivations(Pass):
 
         with _collector_paused():
             regions = plan_regions(profile, limit, checkpointable, allowed=keeps_nothing_written_later)
-            if regions is None:
+            unreachable = regions is None
+            if unreachable:
                 regions = plan_floor(profile, checkpointable, allowed=keeps_nothing_written_later)
+        if unreachable:
             lowest = estimate(profile, regions).peak
             why = _why_unreachable(result)
             result.record("refused", "<graph>", "budget_unreachable",
