@@ -65,10 +65,9 @@ _DECOMPOSE_UNCOUNTED = frozenset({"batch_norm", "layer_norm", "group_norm", "ins
 def _may_count(target) -> bool:
     """Whether FlopCounterMode may count FLOPs when `target` runs: anything but an ATen op outside its registry
     that does not decompose, or decomposes into nothing it counts."""
-    if not isinstance(target, torch._ops.OpOverload):
-        return True
-    if is_counted_op(target):
-        return True
+    overload, _packet = _torch_private.op_overload_types()
+    if not isinstance(target, overload) or is_counted_op(target):
+        return True  # a Python function may call anything
     return _torch_private.decomposed_at_runtime(target) and target.overloadpacket.__name__ not in _DECOMPOSE_UNCOUNTED
 
 
