@@ -65,6 +65,21 @@ def test_predicted_peak_within_ten_percent():
     assert figures["peak_estimate_after"] == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.1)
 
 
+def test_a_met_budget_is_not_reported_unreachable():
+    """A budget some plan fits warns of nothing, records no `budget_unreachable` and has no NOT met headline."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=8, width=128), torch.randn(128, 128)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxopt.optimize(model, (x,), mode="training", passes=["checkpoint_activations"], memory_budget=0.5)
+    result = opt.fxopt_report["checkpoint_activations"]
+    assert result.figures["budget_met"] and result.figures["regions"]
+    assert not result.stats["refused_budget_unreachable"] and "headline" not in result.figures
+    assert not [w for w in caught if "NOT met" in str(w.message)]
+
+
 @pytest.mark.parametrize("replay_dropout", [True, False], ids=["masks_kept", "drawn_again"])
 def test_predicted_peak_of_a_plan_from_the_first_op(replay_dropout):
     """A plan whose first region starts at the first linear (the planner may pick it) is predicted within 10%."""

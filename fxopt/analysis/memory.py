@@ -13,10 +13,13 @@ live anyway and cost nothing (as in `fxopt.measure`).
   it, or a region that keeps it (its inputs, and in a selective region its matmul outputs);
 * the backward of a node at position p holds every kept tensor whose first holder is at or
   before p, plus the gradients of the tensors crossing p and of the trainable parameters it
-  reads (`grad_live`: made before they accumulate into `.grad`);
+  reads (`grad_live`: made before they accumulate into `.grad`), plus what a convolution's backward
+  allocates beyond those gradients (`Step.backward_scratch`, fxopt.analysis.conv_scratch: oneDNN's own
+  copies of the gradients, reorders, partial sums);
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
   on top of what is kept, while its backward starts, and each is freed after the backward of its
-  first holder, as the gradients inside the region come and go; a region may keep the masks of its
+  first holder, as the gradients inside the region come and go (each step's backward with a temporary: a
+  convolution's scratch, else the size of its output); a region may keep the masks of its
   dropouts and replay them (`Region.replay_dropout`, fxopt.analysis.dropout_replay);
 * the forward at p holds the kept tensors made so far and the tensors still to be read.
 
@@ -27,18 +30,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from .conv_scratch import conv_backward_scratch
 from .dropout_replay import draws_unreplayed, replayed_dropout_p
 from .flops import node_flops
 from .grad_needs import analyze_grad_needs
 from .op_times import node_seconds, replay_key
 from .region_overhead import RegionOverhead, region_overhead
-from .ops import resolve
+from .ops import match_conv, resolve
 from .saved_tensors import saved_bytes, saved_for_backward
 from .shapes import tensor_meta
 
@@ -59,6 +65,7 @@ class Step:
     mask: frozenset = frozenset()  # a dropout a region may replay: its mask's key (fxopt.analysis.dropout_replay)
     replay_seconds: float | None = None  # the replay's measured time, if measured
     outputs: frozenset = frozenset()  # the storages of its output value it creates (creates less private buffers)
+    backward_scratch: int | None = None  # what its backward allocates beyond its gradients, if known (a convolution)
 
     @property
     def replay_saving(self) -> int:
@@ -81,10 +88,10 @@ class Step:
         return max(1, val.numel() if val is not None else 0)
 
 
-@dataclasses.dataclass(frozen=True)
-class Region:
+class Region(NamedTuple):
     """Steps [start, stop) recomputed in backward; `save_counted`: except matmul/conv/attention outputs;
-    `replay_dropout`: its CPU dropouts keep their masks and replay from them (else they draw again)."""
+    `replay_dropout`: its CPU dropouts keep their masks and replay from them (else they draw again).
+    A tuple: the planner hashes one per candidate and label."""
 
     start: int
     stop: int
@@ -121,16 +128,27 @@ class StepProfile:
 
     def _region_sets(self, r: Region) -> tuple[frozenset, frozenset, int]:
         if r not in self._regions:
-            steps = self.steps[r.start:r.stop]
-            made = frozenset().union(*(s.creates for s in steps))
-            keeps = frozenset().union(*(s.reads for s in steps)) - made
-            if r.save_counted:
-                keeps |= frozenset().union(*(s.creates for s in steps if s.counted))
-            if r.replay_dropout:
-                keeps |= frozenset().union(*(s.mask for s in steps))
-            recomputes = frozenset().union(*(s.saved for s in steps))
-            self._regions[r] = (keeps, recomputes, self.bytes_of(recomputes))
+            inputs, counted, masks, recomputes, recomputed_bytes = self._span_sets(r.start, r.stop)
+            keeps = inputs
+            if r.save_counted and counted:
+                keeps = keeps | counted
+            if r.replay_dropout and masks:
+                keeps = keeps | masks
+            self._regions[r] = (keeps, recomputes, recomputed_bytes)
         return self._regions[r]
+
+    def _span_sets(self, start: int, stop: int) -> tuple:
+        """What steps [start, stop) read from before them, make in counted ops, keep as dropout masks and
+        save, with the bytes saved: shared by every kind of region over the span."""
+        if (start, stop) not in self._spans:
+            steps = self.steps[start:stop]
+            made = frozenset().union(*(s.creates for s in steps))
+            recomputes = frozenset().union(*(s.saved for s in steps))
+            self._spans[start, stop] = (frozenset().union(*(s.reads for s in steps)) - made,
+                                        frozenset().union(*(s.creates for s in steps if s.counted)),
+                                        frozenset().union(*(s.mask for s in steps)), recomputes,
+                                        self.bytes_of(recomputes))
+        return self._spans[start, stop]
 
     def region_cost(self, r: Region) -> int:
         """Recompute cost of a region: every step's, less the counted ones a selective region keeps, plus
@@ -156,6 +174,7 @@ class StepProfile:
 
     def __post_init__(self):
         self._regions: dict = {}  # Region -> (keeps, recomputes, bytes recomputed)
+        self._spans: dict = {}  # (start, stop) -> _span_sets
         self._deltas: dict = {}  # (held, segment) -> segment_delta
         self._cost_prefix = list(itertools.accumulate((s.recompute_cost for s in self.steps), initial=0))
         self._counted_cost_prefix = list(itertools.accumulate((s.recompute_cost * s.counted for s in self.steps),
@@ -166,13 +185,18 @@ class StepProfile:
                                                                    initial=0))
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_flops_prefix = list(itertools.accumulate((s.flops * s.counted for s in self.steps), initial=0))
+        # inside a region, each step's backward holds the gradients and a temporary: a convolution's scratch,
+        # else one the size of its output
+        self._backward_above = [g + (s.backward_scratch if s.backward_scratch is not None else self.bytes_of(s.outputs))
+                                for g, s in zip(self.grad_live, self.steps)]
 
     def segment_delta(self, held: frozenset, segment: Region | int) -> tuple[int, int, frozenset]:
         """(bytes newly kept, live bytes above everything kept during its backward, tensors still readable after)."""
         key = (held, segment)
         if key not in self._deltas:
             if isinstance(segment, int):
-                keeps, stop, above = self.steps[segment].saved, segment + 1, self.grad_live[segment]
+                step = self.steps[segment]
+                keeps, stop, above = step.saved, segment + 1, self.grad_live[segment] + (step.backward_scratch or 0)
             else:
                 keeps, stop = self.region_keeps(segment), segment.stop
                 above = self._region_backward_peak(segment, keeps | held)
@@ -183,9 +207,10 @@ class StepProfile:
     def _region_backward_peak(self, r: Region, counted: frozenset) -> int:
         """Live bytes above `counted` during a region's backward: its recomputation makes again what its
         steps save (and the last step's output on the way); each is freed after the backward of its
-        first holder, while the gradients at each step are alive and its backward makes a temporary the
-        size of its output (softmax, GELU: the old model's all-at-once bound hid these; its output only, not the
-        private buffers it makes, a dropout's noise and mask, which are counted as saved or kept already)."""
+        first holder, while the gradients at each step are alive and its backward makes a temporary: a
+        convolution's scratch (fxopt.analysis.conv_scratch), else the size of its output (softmax, GELU: the
+        old model's all-at-once bound hid these; its output only, not the private buffers it makes, a
+        dropout's noise and mask, which are counted as saved or kept already)."""
         first_holder: dict = {}
         for q in range(r.start, r.stop):
             for k in self.steps[q].saved:
@@ -195,17 +220,15 @@ class StepProfile:
         for k, q in first_holder.items():
             freed_at[q - r.start] += self.nbytes[k]
         last_output = self.bytes_of(self.steps[r.stop - 1].creates - counted - first_holder.keys())
-        alive, peak = 0, 0
-        for q in range(r.start, r.stop):  # alive at q's backward: what steps at or before q still hold,
-            alive += freed_at[q - r.start]  # the gradients, and a temporary the size of q's output
-            peak = max(peak, alive + self.grad_live[q] + self.bytes_of(self.steps[q].outputs))
-        return max(peak, alive + last_output + self.grad_live[r.stop - 1])
+        alive = list(itertools.accumulate(freed_at))  # alive at q's backward: what steps at or before q still hold,
+        peak = max(map(operator.add, alive, self._backward_above[r.start:r.stop]))  # + gradients and temporary
+        return max(peak, alive[-1] + last_output + self.grad_live[r.stop - 1])
 
     def repriced(self, steps: list[Step]) -> StepProfile:
         """The same memory profile with `steps` priced otherwise (no region overhead): it shares the
         memory caches, which do not depend on prices."""
         other = StepProfile(steps, self.nbytes, self.last_read, self.grad_live)
-        other._regions, other._deltas = self._regions, self._deltas
+        other._regions, other._deltas, other._spans = self._regions, self._deltas, self._spans
         return other
 
     @staticmethod
@@ -213,8 +236,7 @@ class StepProfile:
         return prefix[r.stop] - prefix[r.start]
 
 
-@dataclasses.dataclass(frozen=True)
-class SegmentEffect:
+class SegmentEffect(NamedTuple):  # a tuple: the planner makes one per step and label
     held: frozenset  # kept tensors still readable later (the planner's state)
     kept_bytes: int  # bytes kept by every segment so far
     peak: int  # the largest backward live bytes inside this segment
@@ -311,7 +333,8 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
         steps.append(Step(node, frozenset(creates), frozenset(reads & nbytes.keys()), frozenset(saved),
                           flops.get(node.name, 0), flops.get(node.name, 0) > 0,
                           seconds.get(node.name, 0.0) if timed else None, mask,
-                          seconds.get(replay_key(node.name), 0.0) if timed and mask else None, outputs))
+                          seconds.get(replay_key(node.name), 0.0) if timed and mask else None, outputs,
+                          _conv_scratch(node, grad_needs) if node in needs_grad else None))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -325,6 +348,14 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
     grads = [g + _parameter_gradient_bytes(node, gm, trainable) for g, node in zip(grads, calls)]
     overhead = region_overhead(_device(gm)) if seconds is not None else None
     return StepProfile(steps, nbytes, last_read, grads, overhead)
+
+
+def _conv_scratch(node: fx.Node, grad_needs) -> int | None:
+    """A convolution's backward scratch (fxopt.analysis.conv_scratch), None for any other node."""
+    conv = match_conv(node)
+    if conv is None:
+        return None
+    return conv_backward_scratch(node, conv.input in grad_needs.requires_grad, conv.weight in grad_needs.requires_grad)
 
 
 def _device(gm: fx.GraphModule) -> torch.device:

@@ -53,6 +53,8 @@ decides recomputation itself).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import re
 import warnings
@@ -135,6 +137,20 @@ def _why_unreachable(result: PassResult) -> str:
     return f"{blocked} node(s) cannot be recomputed; {held}" if blocked else held
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while the planner runs: it makes hundreds of thousands of
+    small sets and tuples (no cycles), and each collection walks every object of the exported graph
+    too (HF MobileNetV2: the plan in about 0.55 s instead of 0.85-1.05 s)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _region_name(gm: fx.GraphModule, profile: StepProfile, region: Region) -> str:
     first, last = profile.steps[region.start].node.name, profile.steps[region.stop - 1].node.name
     base = f"checkpointed_{first}_to_{last}" if first != last else f"checkpointed_{first}"
@@ -165,7 +181,8 @@ class CheckpointActivations(Pass):
         if any(isinstance(m, CheckpointedRegion) for m in gm.modules()):
             result.skipped = "the graph already holds checkpointed regions"
             return result
-        profile = step_profile(gm, timed=True)
+        with _collector_paused():
+            profile = step_profile(gm, timed=True)
         if profile is None:
             result.skipped = "the graph cannot run on fake tensors, so its memory cannot be estimated"
             return result
@@ -187,9 +204,12 @@ class CheckpointActivations(Pass):
                 conflicts.setdefault(conflict, region)
             return conflict is None
 
-        regions = plan_regions(profile, limit, checkpointable, allowed=keeps_nothing_written_later)
-        if regions is None:
-            regions = plan_floor(profile, checkpointable, allowed=keeps_nothing_written_later)
+        with _collector_paused():
+            regions = plan_regions(profile, limit, checkpointable, allowed=keeps_nothing_written_later)
+            unreachable = regions is None
+            if unreachable:
+                regions = plan_floor(profile, checkpointable, allowed=keeps_nothing_written_later)
+        if unreachable:
             lowest = estimate(profile, regions).peak
             why = _why_unreachable(result)
             result.record("refused", "<graph>", "budget_unreachable",
