@@ -39,7 +39,7 @@ from .grad_needs import analyze_grad_needs
 from .op_times import node_seconds, replay_key
 from .region_overhead import RegionOverhead, region_overhead
 from .ops import resolve
-from .saved_tensors import saved_bytes, saved_for_backward
+from .saved_tensors import saved_bytes, saved_copies, saved_for_backward
 from .shapes import tensor_meta
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
@@ -336,9 +336,9 @@ def _device(gm: fx.GraphModule) -> torch.device:
 
 
 def _saved_keys(node: fx.Node, free: set, nbytes: dict) -> set:
-    """Storages kept for `node`'s backward; bytes saved beyond its inputs/output get a private key."""
-    info = saved_for_backward(node)
-    tensors = [t for a in info.saved_inputs for t in _tensors(a.meta.get("val"))]
+    """Storages kept for `node`'s backward; bytes saved beyond its inputs/output (copies too) get a private key."""
+    info, (copies, _) = saved_for_backward(node), saved_copies(node)
+    tensors = [t for a in info.saved_inputs if a not in copies for t in _tensors(a.meta.get("val"))]
     if info.saves_output:
         tensors += _tensors(node.meta.get("val"))
     keys = {_storage(t) for t in tensors} - free
