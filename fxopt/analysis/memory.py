@@ -43,6 +43,7 @@ from .saved_tensors import saved_bytes, saved_copies, saved_for_backward
 from .shapes import tensor_meta
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
+COPY = "copy"  # the key (COPY, node name): the copies of its inputs a node saves (saved_tensors.saved_copies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +125,8 @@ class StepProfile:
             steps = self.steps[r.start:r.stop]
             made = frozenset().union(*(s.creates for s in steps))
             keeps = frozenset().union(*(s.reads for s in steps)) - made
-            if r.save_counted:
-                keeps |= frozenset().union(*(s.creates for s in steps if s.counted))
+            if r.save_counted:  # the outputs of its counted ops (not the copies of inputs they save)
+                keeps |= frozenset(k for s in steps if s.counted for k in s.creates if not _is_copy(k))
             if r.replay_dropout:
                 keeps |= frozenset().union(*(s.mask for s in steps))
             recomputes = frozenset().union(*(s.saved for s in steps))
@@ -335,19 +336,25 @@ def _device(gm: fx.GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
+def _is_copy(key: Key) -> bool:
+    return isinstance(key, tuple) and key[0] == COPY
+
+
 def _saved_keys(node: fx.Node, free: set, nbytes: dict) -> set:
-    """Storages kept for `node`'s backward; bytes saved beyond its inputs/output (copies too) get a private key."""
-    info, (copies, _) = saved_for_backward(node), saved_copies(node)
+    """Storages kept for `node`'s backward; bytes saved beyond its inputs/output get a private key, and the
+    copies it saves of its inputs (saved_tensors.saved_copies) a key of their own: a selective region does
+    not cache them (their op, a copy, is recomputed)."""
+    info, (copies, copied_bytes) = saved_for_backward(node), saved_copies(node)
     tensors = [t for a in info.saved_inputs if a not in copies for t in _tensors(a.meta.get("val"))]
     if info.saves_output:
         tensors += _tensors(node.meta.get("val"))
     keys = {_storage(t) for t in tensors} - free
     keys = {k for k in keys if k in nbytes}
-    private = saved_bytes(node) - sum(nbytes[k] for k in keys)
-    if private > 0:
-        key = ("private", node.name)
-        nbytes[key] = private
-        keys.add(key)
+    private = saved_bytes(node) - copied_bytes - sum(nbytes[k] for k in keys)
+    for kind, size in ((COPY, copied_bytes), ("private", private)):
+        if size > 0:
+            nbytes[kind, node.name] = size
+            keys.add((kind, node.name))
     return keys
 
 
