@@ -91,3 +91,28 @@ def _predicted_and_measured_forward_peak(bounds) -> tuple[int, int]:
         extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", True)
     gm.recompile()
     return predicted, measure_peak(lambda: opt(x), opt, (x,))
+
+
+class _ResidualMLP(torch.nn.Module):
+    """A transformer's MLP sub-block: x + fc2(gelu(fc1(norm(x))))."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), \
+            torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def test_residual_gradient_is_the_branch_gradient():
+    """At fc2's backward the residual stream's gradient and fc2's output gradient are one tensor (the add hands
+    its gradient to both inputs): counted once, beside gelu's gradient and fc2's parameter gradients."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(_ResidualMLP(), _ResidualMLP()).train(), torch.randn(4, 16, 64)
+    profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module)
+    at = {s.node.name: p for p, s in enumerate(profile.steps)}
+    fc2 = at["linear_3"]  # the second block's fc2
+    activation = 4 * 16 * 64 * 4
+    parameters = (64 * 256 + 64) * 4
+    assert profile.grad_live[fc2] == parameters + 4 * activation + activation

@@ -39,6 +39,7 @@ from .grad_needs import analyze_grad_needs
 from .op_times import node_seconds, replay_key
 from .region_overhead import RegionOverhead, region_overhead
 from .ops import resolve
+from ..op_names import op_name
 from .saved_tensors import saved_bytes, saved_copies, saved_for_backward
 from .shapes import tensor_meta
 
@@ -400,4 +401,44 @@ def _gradient_bytes(calls: list[fx.Node], position: dict, n: int, needs_grad: se
             crossing[q] += size
             if q < last and q not in readers:
                 over[q] += size
-    return [crossing[p] + crossing[p + 1] - over[p] for p in range(n)]
+    shared = _shared_gradient_bytes(calls, position, needs_grad)
+    return [crossing[p] + crossing[p + 1] - over[p] - shared[p] for p in range(n)]
+
+
+def _shared_gradient_bytes(calls: list[fx.Node], position: dict, needs_grad: set) -> list[int]:
+    """Per position: bytes _gradient_bytes counts twice because autograd makes them one tensor. An add hands its
+    output's gradient to both inputs as it is, and an alias (a view, a p=0 dropout) hands it on to its input:
+    from the branch's last op that makes a tensor up to the add, the residual stream passing over holds the
+    gradient the branch holds (HF ViT: the residual's and the MLP output's gradient at fc2's backward)."""
+    shared = [0] * len(calls)
+    for add in calls:
+        inputs = [a for a in add.args[:2] if isinstance(a, fx.Node)]
+        out = tensor_meta(add)
+        if (op_name(add) != "add" or add.kwargs.get("alpha", 1) != 1 or len(set(inputs)) != 2 or out is None
+                or any(a not in needs_grad or a not in position or not _same_layout(tensor_meta(a), out)
+                       for a in inputs)):
+            continue
+        residual, branch = sorted(inputs, key=position.get)
+        while (source := _aliased_input(branch)) in position and source in needs_grad:
+            branch = source
+        size = out.numel() * out.element_size()
+        for q in range(max(position[branch], position[residual] + 1), position[add]):
+            shared[q] += size
+        shared[position[add]] += 2 * size  # its two inputs' gradients and its output's: one tensor
+    return shared
+
+
+def _same_layout(a, b) -> bool:
+    return a is not None and a.shape == b.shape and a.dtype == b.dtype
+
+
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input whose storage `node`'s value is, whole (a view, a p=0 dropout): its gradient is passed on."""
+    out = tensor_meta(node)
+    if out is None:
+        return None
+    for a in node.all_input_nodes:
+        val = tensor_meta(a)
+        if val is not None and val.numel() == out.numel() and _storage(val) == _storage(out):
+            return a
+    return None
