@@ -67,6 +67,19 @@ def _dropout_p(node: fx.Node):
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
 
 
+def _layer_norm_statistics(node: fx.Node) -> int:
+    """Layer norm also keeps each row's mean and reciprocal standard deviation (float32, or float64 for a
+    float64 input): one of each per normalized row."""
+    out = tensor_meta(node)
+    shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape", ())
+    row = 1
+    for d in shape if isinstance(shape, (list, tuple)) else (shape,):
+        row *= d if isinstance(d, int) else 0
+    if out is None or not row:
+        return 0
+    return 2 * (out.numel() // row) * max(4, out.element_size())
+
+
 def _exponent_is_tensor(node: fx.Node) -> bool:
     """pow keeps its result only for a tensor exponent (x ** 3 keeps x alone)."""
     exponent = node.args[1] if len(node.args) > 1 else node.kwargs.get("exponent")
@@ -102,7 +115,9 @@ _TABLE: dict[str, _Rule] = {
     **dict.fromkeys(["mul", "div", "truediv"], _Rule(inputs=OPERANDS)),
     **dict.fromkeys(["matmul", "mm", "bmm", "addmm", "linear", "conv1d", "conv2d", "convolution",
                      "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "batch_norm",
-                     "layer_norm", "group_norm", "instance_norm", "embedding", "gather", "index"], _KEEPS_ALL_INPUTS),
+                     "group_norm", "instance_norm", "embedding", "gather", "index"], _KEEPS_ALL_INPUTS),
+    # layer norm keeps its operands and each row's statistics
+    "layer_norm": _Rule(inputs=ALL, extra=_layer_norm_statistics),
     # attention keeps query, key, value and its output (plus the log-sum-exp of each row)
     "scaled_dot_product_attention": _Rule(output=True, inputs=ALL),
     # train-mode dropout keeps its noise tensor, not its input
