@@ -117,8 +117,8 @@ CASES = {
     "clone/contiguous": (unary(lambda m, x: x.t().contiguous().clone()), _square() + _square()),
 }
 # What autograd keeps beyond graph nodes (masks, indices, copies, batch statistics): bytes are
-# compared exactly only for ops whose extras the table models; norm layers keep per-channel stats.
-_APPROXIMATE_BYTES = {"batch_norm", "layer_norm"}
+# compared exactly only for ops whose extras the table models; batch norm keeps per-channel stats.
+_APPROXIMATE_BYTES = {"batch_norm"}
 # Ops whose kernel, and so what autograd keeps, depends on shapes and backend (attention: the math
 # path keeps internals, flash kernels keep query, key, value and output): the table names a superset.
 _KERNEL_DEPENDENT = {"scaled_dot_product_attention"}

@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from ..op_names import op_name
 from .conv_scratch import conv_backward_scratch
 from .dropout_replay import draws_unreplayed, replayed_dropout_p
 from .flops import node_flops
@@ -45,10 +46,11 @@ from .grad_needs import analyze_grad_needs
 from .op_times import node_seconds, replay_key
 from .region_overhead import RegionOverhead, region_overhead
 from .ops import match_conv, resolve
-from .saved_tensors import saved_bytes, saved_for_backward
+from .saved_tensors import saved_bytes, saved_copies, saved_for_backward
 from .shapes import tensor_meta
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
+COPY = "copy"  # the key (COPY, node name): the copies of its inputs a node saves (saved_tensors.saved_copies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +147,8 @@ class StepProfile:
             made = frozenset().union(*(s.creates for s in steps))
             recomputes = frozenset().union(*(s.saved for s in steps))
             self._spans[start, stop] = (frozenset().union(*(s.reads for s in steps)) - made,
-                                        frozenset().union(*(s.creates for s in steps if s.counted)),
+                                        # a counted op's outputs, not the copies of inputs it saves
+                                        frozenset(k for s in steps if s.counted for k in s.creates if not _is_copy(k)),
                                         frozenset().union(*(s.mask for s in steps)), recomputes,
                                         self.bytes_of(recomputes))
         return self._spans[start, stop]
@@ -366,19 +369,25 @@ def _device(gm: fx.GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
+def _is_copy(key: Key) -> bool:
+    return isinstance(key, tuple) and key[0] == COPY
+
+
 def _saved_keys(node: fx.Node, free: set, nbytes: dict) -> set:
-    """Storages kept for `node`'s backward; bytes saved beyond its inputs/output get a private key."""
-    info = saved_for_backward(node)
-    tensors = [t for a in info.saved_inputs for t in _tensors(a.meta.get("val"))]
+    """Storages kept for `node`'s backward; bytes saved beyond its inputs/output get a private key, and the
+    copies it saves of its inputs (saved_tensors.saved_copies) a key of their own: a selective region does
+    not cache them (their op, a copy, is recomputed)."""
+    info, (copies, copied_bytes) = saved_for_backward(node), saved_copies(node)
+    tensors = [t for a in info.saved_inputs if a not in copies for t in _tensors(a.meta.get("val"))]
     if info.saves_output:
         tensors += _tensors(node.meta.get("val"))
     keys = {_storage(t) for t in tensors} - free
     keys = {k for k in keys if k in nbytes}
-    private = saved_bytes(node) - sum(nbytes[k] for k in keys)
-    if private > 0:
-        key = ("private", node.name)
-        nbytes[key] = private
-        keys.add(key)
+    private = saved_bytes(node) - copied_bytes - sum(nbytes[k] for k in keys)
+    for kind, size in ((COPY, copied_bytes), ("private", private)):
+        if size > 0:
+            nbytes[kind, node.name] = size
+            keys.add((kind, node.name))
     return keys
 
 
@@ -424,4 +433,44 @@ def _gradient_bytes(calls: list[fx.Node], position: dict, n: int, needs_grad: se
             crossing[q] += size
             if q < last and q not in readers:
                 over[q] += size
-    return [crossing[p] + crossing[p + 1] - over[p] for p in range(n)]
+    shared = _shared_gradient_bytes(calls, position, needs_grad)
+    return [crossing[p] + crossing[p + 1] - over[p] - shared[p] for p in range(n)]
+
+
+def _shared_gradient_bytes(calls: list[fx.Node], position: dict, needs_grad: set) -> list[int]:
+    """Per position: bytes _gradient_bytes counts twice because autograd makes them one tensor. An add hands its
+    output's gradient to both inputs as it is, and an alias (a view, a p=0 dropout) hands it on to its input:
+    from the branch's last op that makes a tensor up to the add, the residual stream passing over holds the
+    gradient the branch holds (HF ViT: the residual's and the MLP output's gradient at fc2's backward)."""
+    shared = [0] * len(calls)
+    for add in calls:
+        inputs = [a for a in add.args[:2] if isinstance(a, fx.Node)]
+        out = tensor_meta(add)
+        if (op_name(add) != "add" or add.kwargs.get("alpha", 1) != 1 or len(set(inputs)) != 2 or out is None
+                or any(a not in needs_grad or a not in position or not _same_layout(tensor_meta(a), out)
+                       for a in inputs)):
+            continue
+        residual, branch = sorted(inputs, key=position.get)
+        while (source := _aliased_input(branch)) in position and source in needs_grad:
+            branch = source
+        size = out.numel() * out.element_size()
+        for q in range(max(position[branch], position[residual] + 1), position[add]):
+            shared[q] += size
+        shared[position[add]] += 2 * size  # its two inputs' gradients and its output's: one tensor
+    return shared
+
+
+def _same_layout(a, b) -> bool:
+    return a is not None and a.shape == b.shape and a.dtype == b.dtype
+
+
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input whose storage `node`'s value is, whole (a view, a p=0 dropout): its gradient is passed on."""
+    out = tensor_meta(node)
+    if out is None:
+        return None
+    for a in node.all_input_nodes:
+        val = tensor_meta(a)
+        if val is not None and val.numel() == out.numel() and _storage(val) == _storage(out):
+            return a
+    return None

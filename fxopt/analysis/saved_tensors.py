@@ -19,8 +19,10 @@ table is `known=False` and assumed to save its output and every tensor input.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
+import torch
 import torch.fx as fx
 
 from .. import _torch_private
@@ -65,6 +67,19 @@ def _dropout_p(node: fx.Node):
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
 
 
+def _layer_norm_statistics(node: fx.Node) -> int:
+    """Layer norm also keeps each row's mean and reciprocal standard deviation (float32, or float64 for a
+    float64 input): one of each per normalized row."""
+    out = tensor_meta(node)
+    shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape", ())
+    row = 1
+    for d in shape if isinstance(shape, (list, tuple)) else (shape,):
+        row *= d if isinstance(d, int) else 0
+    if out is None or not row:
+        return 0
+    return 2 * (out.numel() // row) * max(4, out.element_size())
+
+
 def _exponent_is_tensor(node: fx.Node) -> bool:
     """pow keeps its result only for a tensor exponent (x ** 3 keeps x alone)."""
     exponent = node.args[1] if len(node.args) > 1 else node.kwargs.get("exponent")
@@ -100,7 +115,9 @@ _TABLE: dict[str, _Rule] = {
     **dict.fromkeys(["mul", "div", "truediv"], _Rule(inputs=OPERANDS)),
     **dict.fromkeys(["matmul", "mm", "bmm", "addmm", "linear", "conv1d", "conv2d", "convolution",
                      "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "batch_norm",
-                     "layer_norm", "group_norm", "instance_norm", "embedding", "gather", "index"], _KEEPS_ALL_INPUTS),
+                     "group_norm", "instance_norm", "embedding", "gather", "index"], _KEEPS_ALL_INPUTS),
+    # layer norm keeps its operands and each row's statistics
+    "layer_norm": _Rule(inputs=ALL, extra=_layer_norm_statistics),
     # attention keeps query, key, value and its output (plus the log-sum-exp of each row)
     "scaled_dot_product_attention": _Rule(output=True, inputs=ALL),
     # train-mode dropout keeps its noise tensor, not its input
@@ -190,6 +207,70 @@ def saved_for_backward(node: fx.Node) -> SavedForBackward:
     return SavedForBackward(output, kept, True)
 
 
+# Ops that may reshape an operand into a batch of matrices before their product: a permuted operand
+# (attention's query, key and value) is then copied, and the backward keeps the copy, not the operand.
+_MAY_SAVE_COPIES = frozenset({"matmul", "linear"})
+
+
+def saved_copies(node: fx.Node) -> tuple[frozenset[fx.Node], int]:
+    """The saved inputs whose backward keeps a copy instead of the input itself, and the copies' bytes.
+
+    `matmul(q, k.transpose(-1, -2))` on HF attention's permuted heads saves two new tensors: the
+    storage of `q` is not what autograd holds, so a region keeping `q` and the matmul's backward
+    hold both. Found by running the op once per shape on meta tensors under saved-tensor hooks.
+    """
+    if node.op != "call_function" or op_name(node) not in _MAY_SAVE_COPIES:
+        return frozenset(), 0
+    inputs = [n for n in saved_for_backward(node).saved_inputs if tensor_meta(n) is not None]
+    layouts = tuple(_layout(tensor_meta(n)) for n in inputs)
+    if any(layout is None for layout in layouts):
+        return frozenset(), 0  # symbolic sizes: assume the operands themselves are saved
+    try:
+        aliased, copied_bytes = _meta_saved(node.target, _call_pattern(node, inputs), layouts)
+    except Exception:  # noqa: BLE001 - an op meta tensors cannot run: assume the operands are saved
+        return frozenset(), 0
+    if not copied_bytes:
+        return frozenset(), 0  # every saved tensor is an input itself (a linear's bias is not saved at all)
+    return frozenset(n for i, n in enumerate(inputs) if i not in aliased), copied_bytes
+
+
+def _layout(val) -> tuple | None:
+    if not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+        return None
+    return tuple(val.shape), tuple(val.stride()), val.dtype
+
+
+def _call_pattern(node: fx.Node, inputs: list[fx.Node]):
+    """node's args and kwargs with each tensor input replaced by its index in `inputs` (hashable)."""
+    def arg(a):
+        if isinstance(a, fx.Node):
+            return ("input", inputs.index(a)) if a in inputs else ("other", None)
+        return ("const", a)
+    return tuple(arg(a) for a in node.args), tuple((k, arg(v)) for k, v in node.kwargs.items())
+
+
+@functools.lru_cache(maxsize=256)
+def _meta_saved(target, pattern, layouts) -> tuple[frozenset[int], int]:
+    """Run `target` on meta tensors laid out as `layouts`: which inputs autograd saves as themselves, and the
+    bytes of the saved tensors that alias no input (copies)."""
+    metas = [torch.empty_strided(shape, stride, dtype=dtype, device="meta").requires_grad_(dtype.is_floating_point)
+             for shape, stride, dtype in layouts]
+    args_pattern, kwargs_pattern = pattern
+    value = {"input": lambda i: metas[i], "const": lambda c: c}
+    if any(kind == "other" for kind, _ in (*args_pattern, *(v for _, v in kwargs_pattern))):
+        raise ValueError("an input that is not a saved tensor")
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        target(*(value[k](v) for k, v in args_pattern), **{name: value[k](v) for name, (k, v) in kwargs_pattern})
+    storages = [_torch_private.untyped_storage_key(m) for m in metas]
+    aliased, copied = set(), 0
+    for t in saved:
+        owners = [i for i, key in enumerate(storages) if _torch_private.untyped_storage_key(t) == key]
+        aliased.update(owners)
+        copied += 0 if owners else t.untyped_storage().nbytes()
+    return frozenset(aliased), copied
+
+
 def tensor_bytes(node: fx.Node) -> int:
     """Bytes of the tensor `node` computes (0 when unknown)."""
     val = tensor_meta(node)
@@ -203,9 +284,10 @@ def saved_bytes(node: fx.Node) -> int:
     intermediate tensors counted twice when the output is also an input (in-place ops).
     """
     saved = saved_for_backward(node)
-    nodes = {n for n in saved.saved_inputs if n.op not in ("placeholder", "get_attr")}
+    copies, copied_bytes = saved_copies(node)
+    nodes = {n for n in saved.saved_inputs if n.op not in ("placeholder", "get_attr") and n not in copies}
     if saved.saves_output:
         nodes.add(node)
     rule = _rule(node)
     extra = rule.extra(node) if rule is not None and rule.extra is not None else 0
-    return sum(tensor_bytes(n) for n in nodes) + extra
+    return sum(tensor_bytes(n) for n in nodes) + copied_bytes + extra

@@ -1,0 +1,118 @@
+"""The memory model on eager attention's heads: a matmul of permuted heads saves copies, not the heads."""
+from __future__ import annotations
+
+import torch
+
+import fxopt
+from fxopt.analysis.memory import Region, estimate, step_profile
+from fxopt.analysis.saved_tensors import saved_bytes, saved_copies
+from fxopt.measure import measure_peak
+from fxopt.passes._checkpoint_region import extract_region
+
+
+class Attention(torch.nn.Module):
+    """Hugging Face's eager self-attention: heads split by view + permute, scores by matmul, no mask."""
+
+    def __init__(self, width: int = 256, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (torch.nn.Linear(width, width) for _ in range(3))
+
+    def _split(self, x):
+        b, s, w = x.shape
+        return x.view(b, s, self.heads, w // self.heads).permute(0, 2, 1, 3)
+
+    def forward(self, x):
+        q, k, v = self._split(self.q(x)), self._split(self.k(x)), self._split(self.v(x))
+        probs = torch.matmul(q, k.transpose(-1, -2)).softmax(-1)
+        return torch.matmul(probs, v).permute(0, 2, 1, 3).flatten(2) + x
+
+
+def _graph(depth: int = 1):
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(*[Attention() for _ in range(depth)]).train(), torch.randn(4, 16, 256)
+    opt = fxopt.optimize(model, (x,), mode="training", passes=[])
+    return opt, x
+
+
+def _autograd_saved_bytes(node) -> int:
+    """Bytes of the tensors autograd saves for `node` run alone on real inputs laid out as its inputs."""
+    def real(n):
+        v = n.meta["val"]
+        return torch.empty_strided(v.shape, v.stride()).normal_().requires_grad_()
+    inputs = {n: real(n) for n in node.all_input_nodes}
+    saved = {}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(id(t.untyped_storage()), t) is t or t,
+                                                  lambda t: t):
+        node.target(*[inputs.get(a, a) for a in node.args])
+    return sum(t.untyped_storage().nbytes() for t in saved.values())
+
+
+def test_matmul_of_permuted_heads_saves_copies():
+    """Both matmuls save a copy of each permuted head operand; the profile keeps none of the projections' storages
+    for them, and the saved bytes equal what autograd saves."""
+    opt, _ = _graph()
+    profile = step_profile(opt.graph_module)
+    matmuls = [s for s in profile.steps if s.node.name.startswith("matmul")]
+    projections = frozenset().union(*(s.outputs for s in profile.steps if s.node.name.startswith("linear")))
+    assert len(matmuls) == 2
+    for step in matmuls:
+        assert saved_copies(step.node)[0]
+        assert not step.saved & projections
+        assert profile.bytes_of(step.saved) == saved_bytes(step.node) == _autograd_saved_bytes(step.node)
+
+
+def test_selective_regions_over_the_projections_keep_the_copies_too():
+    """Selective regions that keep the q/k/v projections before the score matmul: the predicted forward peak
+    (what is kept, the matmuls' copies on top of the kept projections) is the measured one, to the byte."""
+    predicted, measured = _predicted_and_measured_forward_peak((("linear", "permute_2"), ("linear_3", "permute_6"),
+                                                                ("linear_6", "permute_10")))
+    assert predicted == measured
+
+
+def test_selective_regions_over_whole_layers_do_not_cache_the_copies():
+    """Selective regions over whole attention layers keep the matmuls' outputs, not the copies those matmuls save
+    (a copy is recomputed): predicted forward peak equal to the measured one."""
+    predicted, measured = _predicted_and_measured_forward_peak((("linear", "add"), ("linear_3", "add_1"),
+                                                                ("linear_6", "add_2")))
+    assert predicted == measured
+
+
+def _predicted_and_measured_forward_peak(bounds) -> tuple[int, int]:
+    """Selective regions (first node, last node) on three attention layers: estimated and measured forward peak."""
+    opt, x = _graph(depth=3)
+    gm = opt.graph_module
+    profile = step_profile(gm)
+    names = [s.node.name for s in profile.steps]
+    regions = [Region(names.index(first), names.index(last) + 1, save_counted=True) for first, last in bounds]
+    predicted = estimate(profile, regions).forward_peak
+    for r in regions:
+        nodes = [s.node for s in profile.steps[r.start:r.stop]]
+        extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", True)
+    gm.recompile()
+    return predicted, measure_peak(lambda: opt(x), opt, (x,))
+
+
+class _ResidualMLP(torch.nn.Module):
+    """A transformer's MLP sub-block: x + fc2(gelu(fc1(norm(x))))."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), \
+            torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def test_residual_gradient_is_the_branch_gradient():
+    """At fc2's backward the residual stream's gradient and fc2's output gradient are one tensor (the add hands
+    its gradient to both inputs): counted once, beside gelu's gradient and fc2's parameter gradients."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(_ResidualMLP(), _ResidualMLP()).train(), torch.randn(4, 16, 64)
+    profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module)
+    at = {s.node.name: p for p, s in enumerate(profile.steps)}
+    fc2 = at["linear_3"]  # the second block's fc2
+    activation = 4 * 16 * 64 * 4
+    parameters = (64 * 256 + 64) * 4
+    assert profile.grad_live[fc2] == parameters + 4 * activation + activation
