@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import sys
 import time
 import warnings
 
@@ -31,18 +33,12 @@ import torch
 from tabulate import tabulate
 from torch.utils.checkpoint import checkpoint
 
-import fxopt
-from fxopt import _torch_private
-from fxopt.measure import measure_allocator_peak
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "corpus"))
 
-
-class LastHiddenState(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(x).last_hidden_state
+import fxopt  # noqa: E402
+from corpus_models import LastHiddenState  # noqa: E402
+from fxopt import _torch_private  # noqa: E402
+from fxopt.measure import measure_allocator_peak  # noqa: E402
 
 
 def _models():

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "corpus")]
 from device_under_test import DEVICE  # noqa: E402
 
 # The tests run tiny tensors: one intra-op thread is faster than two and gives the same numbers

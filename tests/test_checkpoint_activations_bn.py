@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxopt
+from corpus_models import LastHiddenState
 from equivalence import assert_same_step
 from fxopt.passes._checkpoint_region import extract_region
 from fxopt.passes.checkpoint_activations import refusal
@@ -61,14 +62,6 @@ def mobilenet_blocks():
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU6(),
                          DepthwiseSeparable(8), DepthwiseSeparable(8), DepthwiseSeparable(8))
 
-
-class LastHiddenState(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(x).last_hidden_state
 
 
 def hf_mobilenet_v2():

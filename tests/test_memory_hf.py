@@ -11,18 +11,11 @@ import torch
 import transformers
 
 import fxopt
+from corpus_models import LastHiddenState
 from fxopt.analysis.memory import estimate, step_profile
 from fxopt.measure import measure_allocator_peak
 from fxopt.pipeline.run import from_model
 
-
-class LastHiddenState(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(x).last_hidden_state
 
 
 def small_vit() -> torch.nn.Module:

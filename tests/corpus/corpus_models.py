@@ -14,6 +14,18 @@ import transformers
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 
+class LastHiddenState(torch.nn.Module):
+    """A Hugging Face model called for its `last_hidden_state` alone (one tensor out: the whole model is one
+    graph, as the training-memory issue measures it)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).last_hidden_state
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     name: str
