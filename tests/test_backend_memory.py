@@ -161,6 +161,50 @@ def test_step_peak_is_monotonic_and_follows_the_budget():
     assert peaks[-1] < 0.8 * peaks[0], peaks
 
 
+class DroppedAttention(nn.Module):
+    """Transformer-like blocks (softmax scores with dropout times the input, a GELU feed-forward with dropout,
+    layer norms): under a budget the partition recomputes dropouts from their bool masks."""
+
+    def __init__(self, width: int = 64, depth: int = 2, dropout: float = 0.1):
+        super().__init__()
+        self.scores = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.feed = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+                                  for _ in range(depth))
+        self.norm, self.dropout = nn.LayerNorm(width), dropout
+
+    def forward(self, x):
+        for scores, feed in zip(self.scores, self.feed):
+            attention = nn.functional.dropout((scores(x) @ x.transpose(1, 2)).softmax(-1), self.dropout, self.training)
+            x = self.norm(x + attention @ x)
+            x = self.norm(x + nn.functional.dropout(feed(x), self.dropout, self.training))
+        return x
+
+
+def test_dropout_blocks_peak_is_predicted_exactly_and_monotonic():
+    """On blocks with dropout (aot_eager), each budget's measured step peak is the predicted one (the float copy a
+    CPU `x * mask` makes of its bool mask included) and never grows from 1.0 to 0.5, 0.25 and 0.1."""
+    torch.manual_seed(0)
+    model, x = DroppedAttention(), torch.randn(4, 32, 64)
+    peaks = []
+    for budget in BUDGETS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the smaller budgets are below these blocks' floor
+            peak, backend = _step_peak(model, x, budget)
+        figures = backend.reports[0]["checkpoint_activations"].figures
+        assert abs(peak - figures["peak_bytes_after"]) <= 0.001 * peak, (budget, peak, figures)
+        peaks.append(peak)
+    assert peaks == sorted(peaks, reverse=True) and peaks[1] <= 0.65 * peaks[0], peaks
+
+
+def test_dropout_blocks_match_eager_below_their_floor():
+    """The dropout blocks' plan below their floor (budget 0.1): outputs, gradients and buffers equal eager's in float64."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 0.1 is below the floor
+        _compiled_matches_eager(DroppedAttention().double(), torch.randn(4, 32, 64, dtype=torch.float64),
+                                memory_budget=0.1)
+
+
 def test_report_figures_match_the_measured_step():
     """The report's predicted step peak and saved bytes (from the partition) are what the allocator and
     saved_tensors_hooks measure (less the input, which lives anyway), for plans with and without recomputation."""

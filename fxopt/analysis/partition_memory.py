@@ -10,6 +10,9 @@ the fake tensors of `node.meta["val"]` (each storage counted once, so views cost
   aot_eager, drop each input and intermediate after its last use);
 * the forward's outputs live to its end; saved tensors live from the forward until their last
   use in the backward, and the outputs' gradients from the backward's start;
+* a CPU pointwise op whose operands differ in dtype (a float times a bool mask) first copies
+  each operand that is not of the common dtype to it (ATen's TensorIterator on CPU; CUDA casts
+  on the fly): those copies live while the op runs (`_promotion_copies`);
 * storages of the joint graph's inputs (parameters, buffers, inputs) live anyway, and the
   backward's outputs (the gradients the step leaves in `.grad`, as with
   `zero_grad(set_to_none=True)`) are not step memory: neither is counted, as in
@@ -55,6 +58,27 @@ def _storages(nodes) -> dict:
     return {_torch_private.untyped_storage_key(t): _nbytes(t) for node in nodes for t in _tensors(node)}
 
 
+PROMOTED_ARGUMENTS = ("self", "other")  # the operands TensorIterator promotes to a common dtype (not a mask or condition)
+
+
+def _promotion_copies(node: fx.Node) -> int:
+    """Bytes of the operands a CPU pointwise ATen op copies to the common dtype before it runs (measured:
+    `x * mask` with a float x and a bool mask allocates a float copy of the mask beside its output)."""
+    if node.op != "call_function" or _torch_private.aten_op_name(node.target) is None or \
+            not _torch_private.op_is_pointwise(node.target):
+        return 0
+    bound = _torch_private.bind_aten_arguments(node.target, node.args, node.kwargs)
+    operands = [bound[name].meta.get("val") if isinstance(bound.get(name), fx.Node) else bound.get(name)
+                for name in PROMOTED_ARGUMENTS]
+    if not all(isinstance(o, (torch.Tensor, int, float)) for o in operands):
+        return 0
+    tensors = [t for t in operands if isinstance(t, torch.Tensor)]
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return 0
+    common = torch.result_type(*operands)
+    return sum(_torch_private.size_hint(t.numel()) * common.itemsize for t in tensors if t.dtype != common)
+
+
 def _graph_peak(graph: fx.Graph, live: dict, not_counted: set) -> int:
     """Peak bytes while `graph` runs, starting with `live` (storage key -> bytes, freed at last use like the
     graph's own values); the graph's outputs stay alive to its end."""
@@ -79,7 +103,7 @@ def _graph_peak(graph: fx.Graph, live: dict, not_counted: set) -> int:
                 if key not in live and key not in not_counted:
                     live[key] = _nbytes(t)
                     now += live[key]
-            peak = max(peak, now)
+            peak = max(peak, now + _promotion_copies(node))
         for key in freed_at.get(position, ()):
             now -= live.pop(key, 0)
     return peak
