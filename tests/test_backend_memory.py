@@ -180,11 +180,12 @@ class DroppedAttention(nn.Module):
         return x
 
 
+@pytest.mark.slow  # about 20 s (four plannings of two blocks' many candidate partitions), 60 s under load
 def test_dropout_blocks_peak_is_predicted_exactly_and_monotonic():
     """On blocks with dropout (aot_eager), each budget's measured step peak is the predicted one (the float copy a
     CPU `x * mask` makes of its bool mask included) and never grows from 1.0 to 0.5, 0.25 and 0.1."""
     torch.manual_seed(0)
-    model, x = DroppedAttention(), torch.randn(4, 32, 64)
+    model, x = DroppedAttention(width=32), torch.randn(4, 16, 32)
     peaks = []
     for budget in BUDGETS:
         with warnings.catch_warnings():
@@ -201,7 +202,41 @@ def test_dropout_blocks_match_eager_below_their_floor():
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 0.1 is below the floor
-        _compiled_matches_eager(DroppedAttention().double(), torch.randn(4, 32, 64, dtype=torch.float64),
+        _compiled_matches_eager(DroppedAttention(width=32).double(), torch.randn(4, 16, 32, dtype=torch.float64),
+                                memory_budget=0.1)
+
+
+def _pooled_cnn() -> nn.Module:
+    layers, cin = [], 3
+    for cout in (8, 8, 16, 16, 32):
+        layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+        cin = cout
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10))
+
+
+def test_cnn_peak_is_predicted_exactly_and_monotonic():
+    """On a train-mode BN CNN (aot_eager) each budget's measured step peak is the predicted one (convolution
+    backward's scratch measured), and it never grows from 1.0 to 0.5, 0.25 and 0.1."""
+    torch.manual_seed(0)
+    model, x = _pooled_cnn(), torch.randn(4, 3, 16, 16)
+    peaks = []
+    for budget in BUDGETS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the smaller budgets are below this CNN's floor
+            peak, backend = _step_peak(model, x, budget)
+        figures = backend.reports[0]["checkpoint_activations"].figures
+        assert abs(peak - figures["peak_bytes_after"]) <= 0.001 * peak, (budget, peak, figures)
+        peaks.append(peak)
+    assert peaks == sorted(peaks, reverse=True) and peaks[1] <= 0.57 * peaks[0], peaks
+
+
+def test_cnn_with_mean_pooling_matches_eager_below_its_floor():
+    """The pooled CNN's plan below its floor (budget 0.1, the mean's gradient expanded after its division):
+    outputs, gradients and running statistics equal eager's in float64."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 0.1 is below the floor
+        _compiled_matches_eager(_pooled_cnn().double().train(), torch.randn(4, 3, 16, 16, dtype=torch.float64),
                                 memory_budget=0.1)
 
 
