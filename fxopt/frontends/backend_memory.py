@@ -43,12 +43,15 @@ nothing is drawn again), and nodes the eager pass refuses stay untagged. A dropo
 region: its output is rewritten as ATen computes it from the mask the draw returns
 (`_dropout_applied_from_masks`, bitwise equal), so the region keeps the bool mask and recomputes
 the rest; under Inductor the decomposed dropout's values come from a saved seed, recomputed alike.
-Limits: the prediction follows aot_eager, which runs the partition op by op, except the kernels'
-own scratch (CPU convolution backward: the benchmark's CNN measured 8.43 MB where 7.86 MB was
-predicted, so plans whose peak is a convolution's backward rank too well); Inductor fuses
-pointwise ops (their intermediates never exist) and reuses buffers, so there the prediction is an
-upper bound and the measured ratios differ (benchmarks/compile_budget.py --inner inductor). Needs
-torch with `torch._inductor.config.custom_partitioner_fn` for `inner="inductor"`.
+Two rewrites of the joint graph, after the untagged partition (min-cut's own choice stays the
+baseline), keep values bitwise and cut what the backward holds at once: dropouts read from their
+masks (above), and a mean's gradient divided before it is expanded (`_pointwise_before_expand`:
+the benchmark's CNN peaked on that full-size temporary at its widest block, 0.57x -> 0.54x).
+Limits: the prediction follows aot_eager, which runs the partition op by op (a CPU convolution's
+scratch is measured, `fxopt.analysis.partition_memory`); Inductor fuses pointwise ops (their
+intermediates never exist), lays convolutions out channels-last and reuses buffers, so there the
+prediction is only a guide and the measured ratios differ (benchmarks/compile_budget.py --inner
+inductor). Needs torch with `torch._inductor.config.custom_partitioner_fn` for `inner="inductor"`.
 """
 from __future__ import annotations
 
