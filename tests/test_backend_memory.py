@@ -298,13 +298,13 @@ def test_inductor_step_peak_is_monotonic_with_eager_gradients():
     torch.manual_seed(0)
     model, x = DeepMLP(width=64, depth=4), torch.randn(64, 64)
     peaks = []
-    for budget in (1.0, 0.5, 0.1):
+    for budget in BUDGETS:
         _torch_private.reset_dynamo()
         candidate = copy.deepcopy(model)
         backend = fxopt.backend(passes=["checkpoint_activations"], memory_budget=budget)
         compiled = torch.compile(candidate, backend=backend)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # 0.1 is below this MLP's floor
+            warnings.simplefilter("ignore")  # 0.25 and 0.1 may be below this MLP's floor
             ref, got = _step(model, model, x), _step(compiled, candidate, x)
         # the partitioner ran for this budget: no cached compile of the same graph was reused
         assert backend.reports[0]["checkpoint_activations"].figures["budget"] == budget
