@@ -240,6 +240,19 @@ def test_cnn_with_mean_pooling_matches_eager_below_its_floor():
                                 memory_budget=0.1)
 
 
+def test_compiling_inside_a_profiler_keeps_its_recording():
+    """Compiling a CNN under a budget while the caller's torch profiler records (convolution scratch is then not
+    measured) leaves that profiler's memory events intact."""
+    torch.manual_seed(0)
+    model, x = _pooled_cnn(), torch.randn(2, 3, 8, 8)
+    compiled = torch.compile(model, backend=fxopt.backend(inner="aot_eager", memory_budget=0.5))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # whether 0.5 is reachable is not the point here
+            compiled(x).sum().backward()
+    assert _torch_private.profiler_allocations(prof), "the caller's profiler lost its session"
+
+
 def test_report_figures_match_the_measured_step():
     """The report's predicted step peak and saved bytes (from the partition) are what the allocator and
     saved_tensors_hooks measure (less the input, which lives anyway), for plans with and without recomputation."""
