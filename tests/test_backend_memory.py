@@ -180,20 +180,26 @@ class DroppedAttention(nn.Module):
         return x
 
 
+def _predicted_peaks_at_each_budget(model: nn.Module, x: torch.Tensor) -> list[int]:
+    """The measured step peak at each of BUDGETS (aot_eager), each checked to be the report's predicted one."""
+    peaks = []
+    for budget in BUDGETS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the smaller budgets may be below the model's floor
+            peak, backend = _step_peak(model, x, budget)
+        figures = backend.reports[0]["checkpoint_activations"].figures
+        assert abs(peak - figures["peak_bytes_after"]) <= 0.001 * peak, (budget, peak, figures)
+        peaks.append(peak)
+    return peaks
+
+
 @pytest.mark.slow  # about 20 s (four plannings of two blocks' many candidate partitions), 60 s under load
 def test_dropout_blocks_peak_is_predicted_exactly_and_monotonic():
     """On blocks with dropout (aot_eager), each budget's measured step peak is the predicted one (the float copy a
     CPU `x * mask` makes of its bool mask included) and never grows from 1.0 to 0.5, 0.25 and 0.1."""
     torch.manual_seed(0)
     model, x = DroppedAttention(width=32), torch.randn(4, 16, 32)
-    peaks = []
-    for budget in BUDGETS:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the smaller budgets are below these blocks' floor
-            peak, backend = _step_peak(model, x, budget)
-        figures = backend.reports[0]["checkpoint_activations"].figures
-        assert abs(peak - figures["peak_bytes_after"]) <= 0.001 * peak, (budget, peak, figures)
-        peaks.append(peak)
+    peaks = _predicted_peaks_at_each_budget(model, x)
     assert peaks == sorted(peaks, reverse=True) and peaks[1] <= 0.65 * peaks[0], peaks
 
 
@@ -219,14 +225,7 @@ def test_cnn_peak_is_predicted_exactly_and_monotonic():
     backward's scratch measured), and it never grows from 1.0 to 0.5, 0.25 and 0.1."""
     torch.manual_seed(0)
     model, x = _pooled_cnn(), torch.randn(4, 3, 16, 16)
-    peaks = []
-    for budget in BUDGETS:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the smaller budgets are below this CNN's floor
-            peak, backend = _step_peak(model, x, budget)
-        figures = backend.reports[0]["checkpoint_activations"].figures
-        assert abs(peak - figures["peak_bytes_after"]) <= 0.001 * peak, (budget, peak, figures)
-        peaks.append(peak)
+    peaks = _predicted_peaks_at_each_budget(model, x)
     assert peaks == sorted(peaks, reverse=True) and peaks[1] <= 0.57 * peaks[0], peaks
 
 
