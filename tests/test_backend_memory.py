@@ -203,6 +203,7 @@ def test_dropout_blocks_peak_is_predicted_exactly_and_monotonic():
     assert peaks == sorted(peaks, reverse=True) and peaks[1] <= 0.65 * peaks[0], peaks
 
 
+@pytest.mark.slow  # about 10 s; test_dropout_masks_are_not_redrawn_by_recomputation covers dropout in CI's first step
 def test_dropout_blocks_match_eager_below_their_floor():
     """The dropout blocks' plan below their floor (budget 0.1): outputs, gradients and buffers equal eager's in float64."""
     torch.manual_seed(0)
