@@ -345,6 +345,11 @@ def _mark_non_persistent(module, names) -> None:
         module.get_submodule(owner)._non_persistent_buffers_set.add(attr)
 
 
+def profiler_running() -> bool:
+    """Whether a torch profiler is recording now (a second one started inside it would end the first's session)."""
+    return torch._C._autograd._profiler_enabled()
+
+
 def profiler_allocations(prof) -> list[tuple[int, int, int]]:
     """(time in ns, address, +bytes allocated / -bytes freed) of every allocator event a
     `torch.profiler.profile(profile_memory=True)` run recorded, in time order."""

@@ -43,12 +43,15 @@ nothing is drawn again), and nodes the eager pass refuses stay untagged. A dropo
 region: its output is rewritten as ATen computes it from the mask the draw returns
 (`_dropout_applied_from_masks`, bitwise equal), so the region keeps the bool mask and recomputes
 the rest; under Inductor the decomposed dropout's values come from a saved seed, recomputed alike.
-Limits: the prediction follows aot_eager, which runs the partition op by op, except the kernels'
-own scratch (CPU convolution backward: the benchmark's CNN measured 8.43 MB where 7.86 MB was
-predicted, so plans whose peak is a convolution's backward rank too well); Inductor fuses
-pointwise ops (their intermediates never exist) and reuses buffers, so there the prediction is an
-upper bound and the measured ratios differ (benchmarks/compile_budget.py --inner inductor). Needs
-torch with `torch._inductor.config.custom_partitioner_fn` for `inner="inductor"`.
+Two rewrites of the joint graph, after the untagged partition (min-cut's own choice stays the
+baseline), keep values bitwise and cut what the backward holds at once: dropouts read from their
+masks (above), and a mean's gradient divided before it is expanded (`_pointwise_before_expand`:
+the benchmark's CNN peaked on that full-size temporary at its widest block, 0.57x -> 0.54x).
+Limits: the prediction follows aot_eager, which runs the partition op by op (a CPU convolution's
+scratch is measured, `fxopt.analysis.partition_memory`); Inductor fuses pointwise ops (their
+intermediates never exist), lays convolutions out channels-last and reuses buffers, so there the
+prediction is only a guide and the measured ratios differ (benchmarks/compile_budget.py --inner
+inductor). Needs torch with `torch._inductor.config.custom_partitioner_fn` for `inner="inductor"`.
 """
 from __future__ import annotations
 
@@ -195,8 +198,9 @@ class BudgetPartitioner:
         tried = []  # (PartitionPeak, cost, candidate, (forward module, backward module)), in order of cost
         limit = None
         for candidate in (None, *sorted(self.candidates, key=lambda c: c.cost)):
-            if candidate is not None and len(tried) == 1:
-                _dropout_applied_from_masks(joint)  # after the untagged partition: min-cut's own choice is the baseline
+            if candidate is not None and len(tried) == 1:  # after the untagged partition: min-cut's own choice is
+                _dropout_applied_from_masks(joint)  # the baseline
+                _pointwise_before_expand(joint)
             self._tag(_forward_nodes(joint), candidate, user_tags)  # the partitioner may replace the graph (CSE)
             modules = _torch_private.min_cut_partition(joint, joint_inputs, **kwargs)
             tried.append((partition_peak(joint, *modules), candidate.cost if candidate else 0, candidate, modules))
@@ -282,6 +286,44 @@ def _dropout_applied_from_masks(joint: fx.GraphModule) -> None:
             new.meta["val"] = torch.empty_like(outputs[0].meta["val"])
         outputs[0].replace_all_uses_with(scaled)
         graph.erase_node(outputs[0])
+    joint.recompile()
+
+
+def _pointwise_before_expand(joint: fx.GraphModule) -> None:
+    """Each pointwise op of one expanded tensor and scalars (`expand(g, shape) / n`, a mean's gradient) computed
+    before the expand: `expand(g / n, shape)`, the same value in each element, without a full-size tensor.
+
+    Op by op (aot_eager) the full-size result of the original lives until its readers have run; in a CNN
+    that is the widest activation's size, at the widest block's backward, where the step peaks. Only where
+    every reader is a pointwise op that also reads a full-size tensor of that shape (so what it returns,
+    strides included, does not change).
+    """
+    graph = joint.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not _torch_private.op_is_pointwise(node.target) or _draws(node):
+            continue
+        tensors = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+        if len(tensors) != 1 or tensors[0].target is not torch.ops.aten.expand.default or \
+                any(isinstance(a, (list, tuple)) for a in (*node.args, *node.kwargs.values())):
+            continue
+        expand, shape = tensors[0], tuple(node.meta["val"].shape)
+        small = expand.args[0]
+        if not node.users or not all(_torch_private.op_is_pointwise(user.target) and any(
+                isinstance(a, fx.Node) and a is not node and isinstance(a.meta.get("val"), torch.Tensor) and
+                tuple(a.meta["val"].shape) == shape and a.meta["val"].is_contiguous()
+                for a in user.all_input_nodes) for user in node.users):
+            continue
+        with graph.inserting_after(node):
+            computed = graph.call_function(node.target, tuple(small if a is expand else a for a in node.args),
+                                           dict(node.kwargs))
+        with graph.inserting_after(computed):
+            expanded = graph.call_function(torch.ops.aten.expand.default, (computed, list(expand.args[1])))
+        for new in (computed, expanded):
+            new.meta = {key: value for key, value in node.meta.items() if key != "val"}
+        computed.meta["val"] = torch.empty_like(small.meta["val"], dtype=node.meta["val"].dtype)
+        expanded.meta["val"] = computed.meta["val"].expand(expand.meta["val"].shape)
+        node.replace_all_uses_with(expanded)
+        graph.erase_node(node)
     joint.recompile()
 
 
