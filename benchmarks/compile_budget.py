@@ -46,8 +46,8 @@ import torch
 from tabulate import tabulate
 
 import fxopt
-from checkpoint_vs_peers import LastHiddenState
 from checkpoint_vs_peers import _models as hf_models
+from corpus_models import LastHiddenState
 from device import round_robin_ms
 from fxopt import _torch_private
 from fxopt.measure import measure_allocator_peak, measure_saved_bytes

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import fxopt
+from corpus_models import LastHiddenState
 from fxopt import _torch_private
 from fxopt.measure import measure_allocator_peak, measure_saved_bytes
 from fxopt.pipeline.verify import max_difference
@@ -328,14 +329,6 @@ def test_inductor_step_peak_is_monotonic_with_eager_gradients():
     assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0], peaks
 
 
-class _LastHiddenState(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(x).last_hidden_state
-
 
 @pytest.mark.slow
 def test_hf_bert_step_matches_eager_under_a_budget():
@@ -344,7 +337,7 @@ def test_hf_bert_step_matches_eager_under_a_budget():
     torch.manual_seed(0)
     config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
                                      attn_implementation="eager")
-    model = _LastHiddenState(transformers.BertModel(config)).double().train()
+    model = LastHiddenState(transformers.BertModel(config)).double().train()
     backend = _compiled_matches_eager(model, torch.randint(0, 1000, (2, 16)), memory_budget=0.5)
     assert backend.reports[0]["checkpoint_activations"].figures["saved_bytes_after"] > 0
 
@@ -356,7 +349,7 @@ def test_hf_bert_predicted_step_peak_matches_the_allocator():
     torch.manual_seed(0)
     config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
                                      vocab_size=500, attn_implementation="eager")
-    model, x = _LastHiddenState(transformers.BertModel(config)).train(), torch.randint(0, 500, (4, 32))
+    model, x = LastHiddenState(transformers.BertModel(config)).train(), torch.randint(0, 500, (4, 32))
     for budget in (1.0, 0.5):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # whether 0.5 is reachable is not the point here
@@ -373,7 +366,7 @@ def test_hf_bert_under_inductor_recomputes_its_attention_pattern_with_the_same_d
     torch.manual_seed(0)
     config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
                                      vocab_size=500, attn_implementation="eager")
-    model, x = _LastHiddenState(transformers.BertModel(config)).train(), torch.randint(0, 500, (4, 32))
+    model, x = LastHiddenState(transformers.BertModel(config)).train(), torch.randint(0, 500, (4, 32))
     steps = []
     for options in ({}, {"memory_budget": 0.1}):
         _torch_private.reset_dynamo()
