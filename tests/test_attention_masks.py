@@ -1,5 +1,6 @@
 """capture drops the all-True and causal attention masks export makes models build (fxopt/capture/attention_masks.py)."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ class Attention(nn.Module):
         else:
             positions = torch.arange(n)
             allowed = {"all_true": positions >= 0, "causal": positions[None, :] <= positions[:, None],
+                       "causal_broadcast": (own := torch.arange(n)) <= own[:, None],  # arange read twice
                        "band": (positions[None, :] - positions[:, None]).abs() <= 1}[self.kind]
             mask = allowed.expand(x.shape[0], 1, n, n)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -69,6 +71,17 @@ def test_causal_constant_mask_becomes_is_causal_and_the_result_is_unchanged(mode
         torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-12)
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(optimized(*args), model(*args), rtol=1e-12, atol=1e-12)
+
+
+def test_a_mask_reading_one_constant_twice_is_erased_once():
+    """A causal mask that reads `arange` both directly and through a view is dropped without erasing a node twice
+    (torch.fx warns at the second erase)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, args, optimized = _optimize("causal_broadcast", "inference")
+    assert not [w for w in caught if "erase_node" in str(w.message)]
+    assert [_mask(n) for n in optimized.graph_module.graph.nodes if n.target is _SDPA] == [None]
     torch.testing.assert_close(optimized(*args), model(*args), rtol=1e-12, atol=1e-12)
 
 

@@ -103,13 +103,16 @@ def _position(graph: fx.Graph):
 def _erase_unused(node: fx.Node) -> None:
     """Erase `node` if nothing reads it, then the inputs only it read. Export's checks of a value's dtype and
     device (`_assert_tensor_metadata`) do not keep it: they go with it."""
-    stack = [node]
+    stack, erased = [node], set()
     while stack:
         n = stack.pop()
+        if n in erased:  # an input of two erased nodes is reached twice
+            continue
         if n.op != "call_function" or any(u.target is not _aten._assert_tensor_metadata.default for u in n.users):
             continue
         for check in list(n.users):
             n.graph.erase_node(check)
         inputs = n.all_input_nodes
         n.graph.erase_node(n)
+        erased.add(n)
         stack.extend(inputs)
