@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.fx.operator_schemas import normalize_function
 
 from .. import _torch_private
+from ..op_names import call_arguments
 from .shapes import tensor_meta
 
 DROPOUT_FUNCTIONS = (torch.ops.aten.dropout.default, F.dropout, torch.dropout)
@@ -26,10 +26,9 @@ def replayed_dropout_p(node: fx.Node) -> float | None:
     """The probability of a train-mode CPU dropout `node` a region replays from its noise, else None."""
     if node.op != "call_function" or node.target not in DROPOUT_FUNCTIONS:
         return None
-    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    if normalized is None:
+    kwargs = call_arguments(node)
+    if kwargs is None:
         return None
-    kwargs = normalized.kwargs
     p, training = kwargs.get("p", 0.5), kwargs.get("train", kwargs.get("training", True))
     val = tensor_meta(node)
     if (kwargs.get("inplace", False) is not False or training is not True or isinstance(p, fx.Node)
@@ -53,8 +52,8 @@ def draws_unreplayed(node: fx.Node) -> bool:
     if node.op != "call_function" or not _torch_private.op_is_random(node.target):
         return False
     if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-        normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-        dropout_p = normalized.kwargs.get("dropout_p", 0.0) if normalized is not None else None
+        arguments = call_arguments(node)
+        dropout_p = arguments.get("dropout_p", 0.0) if arguments is not None else None
         return not (isinstance(dropout_p, (int, float)) and dropout_p == 0)
     return replayed_dropout_p(node) is None
 

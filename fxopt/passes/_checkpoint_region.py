@@ -30,12 +30,12 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.fx.operator_schemas import normalize_function
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..analysis.dropout_replay import draw, replay, replayable_dropouts
 from ..analysis.flops import is_counted_op
 from ..graph_functions import graph_function
+from ..op_names import call_arguments
 
 
 def _save_counted_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -121,8 +121,7 @@ def functional_batch_norm_args(node: fx.Node) -> dict | None:
     """The arguments by name of an `F.batch_norm` / `torch.batch_norm` / `aten.batch_norm` call, or None."""
     if node.op != "call_function" or node.target not in BATCH_NORM_FUNCTIONS:
         return None
-    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    return None if normalized is None else normalized.kwargs
+    return call_arguments(node)
 
 
 def can_recompute_batch_norm(node: fx.Node) -> bool:
