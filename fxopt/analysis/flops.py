@@ -6,8 +6,9 @@ memory) under a FlopCounterMode, and returns {node name: forward FLOPs}. FlopCou
 matrix products, convolutions and attention (`is_counted_op`), also inside what a
 CompositeImplicitAutograd op (`conv2d`, `linear`) decomposes into; any other ATen op (pointwise ops,
 normalisation, reductions) counts 0, so it is not run; a convolution is counted by FlopCounterMode's
-own formula from the shapes (HF MobileNetV2: 0.02 s instead of 0.23-0.58 s). A graph whose values are not all there is run whole from its placeholders' values,
-with parameters and buffers swapped for fake copies; running statistics are never touched.
+own formula from the shapes (HF MobileNetV2: 0.02 s instead of 0.23-0.58 s). A graph whose values
+are not all there is run whole from its placeholders' values, with parameters and buffers swapped
+for fake copies; running statistics are never touched.
 (`fxopt.analysis.costs` gives the whole graph's FLOPs; this module splits them by node.)
 """
 from __future__ import annotations
