@@ -445,3 +445,20 @@ def test_training_pipeline_checkpoints_before_inplace_relu():
     assert not opt.fxopt_report["checkpoint_activations"].stats["refused_mutation"]
     assert _regions(opt)
     assert_same_step(model, opt, (x,), training=True)
+
+
+def test_fractional_budget_is_of_the_step_as_captured():
+    """A fraction is of the captured step's peak, so bytes an earlier pass frees (prune_dead_grads on a frozen
+    layer) count towards the budget instead of shrinking it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16),
+                                torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.Tanh(), torch.nn.Conv2d(16, 4, 1)).train()
+    model[2].weight.requires_grad_(False)  # eager still keeps its input; prune_dead_grads drops that
+    x = (torch.randn(8, 3, 16, 16),)
+    figures = []
+    for passes in (["prune_dead_grads", "checkpoint_activations"], ["checkpoint_activations"]):
+        optimized = fxopt.optimize(model, x, passes=passes, memory_budget=0.9)
+        figures.append(optimized.fxopt_report["checkpoint_activations"].figures)
+    assert figures[0]["saved_bytes_before"] < figures[1]["saved_bytes_before"]
+    assert figures[0]["peak_estimate_before"] < figures[1]["peak_estimate_before"]
+    assert figures[0]["budget_bytes"] == figures[1]["budget_bytes"]

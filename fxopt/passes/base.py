@@ -88,6 +88,7 @@ class PassContext:
     guards_checked: bool = True
     aot_autograd_next: bool = False
     graph_path: str | None = None  # where the graph being rewritten sits: "" the whole model, None unknown
+    captured: fx.GraphModule | None = None  # that graph as captured, before any pass (passes that read it)
     guards: GuardSet = dataclasses.field(default_factory=GuardSet)  # facts passes rely on (fxopt.guards)
 
 
@@ -97,6 +98,7 @@ class Pass:
     name: ClassVar[str]
     summary: ClassVar[str]
     modes: ClassVar[tuple[str, ...]] = MODES
+    reads_captured_graph: ClassVar[bool] = False  # gets the graph as captured in `PassContext.captured`
     # option name -> (default, one-line help)
     options: ClassVar[dict[str, tuple[Any, str]]] = {}
 

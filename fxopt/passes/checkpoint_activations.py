@@ -11,7 +11,7 @@ and attention outputs are kept, only the cheap ops between them are recomputed):
     e = fc2(checkpointed_fc1_to_drop); ...
 
 How it chooses (fxopt.passes._checkpoint_plan): `memory_budget` bounds the estimated peak of the
-whole step, forward *and* backward (a fraction of the un-checkpointed step's peak, or bytes).
+whole step, forward *and* backward (a fraction of the step's peak as captured, before fxopt's passes, or bytes).
 The estimate (fxopt.analysis.memory) walks the plan: what stays saved, when each saved tensor
 is freed in backward, the gradients in flight, and the moment a region is recomputed next to
 everything still kept -- where the peak of a checkpointed step usually lands, and what a plan
@@ -83,7 +83,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)?\s*$", re.IGNORECASE)
 def parse_budget(value) -> tuple[str, float]:
     """("fraction", f) for a number in (0, 1] (1 and 1.0 alike); ("bytes", n) for a size with a unit ("512MB").
 
-    A bare number is always a fraction of the un-checkpointed peak: bytes need a unit, so that
+    A bare number is always a fraction of the captured step's peak: bytes need a unit, so that
     `1` cannot silently mean one byte.
     """
     if isinstance(value, str):
@@ -121,6 +121,13 @@ def refusal(node: fx.Node, gm: fx.GraphModule) -> str:
     if MUTATION in effects(node, gm) and not can_recompute_batch_norm(node) and not is_inplace_op(name):
         return "mutation"  # in-place ops may join a region that made what they write (KeptWrites.write_inside)
     return ""
+
+
+def _captured_peak(ctx: PassContext, peak_now: int) -> int:
+    """The estimated step peak of the graph as captured, which a fractional budget is a fraction of (what the
+    passes before this one freed, such as activation_masks' bytes, then counts towards the budget)."""
+    captured = step_profile(ctx.captured) if ctx.captured is not None else None
+    return estimate(captured).peak if captured is not None else peak_now
 
 
 def _frees(profile: StepProfile, region: Region) -> int:
@@ -164,8 +171,10 @@ class CheckpointActivations(Pass):
     name = "checkpoint_activations"
     summary = "Recompute cost-model-chosen regions in backward so the training step fits memory_budget."
     modes = (TRAINING,)
-    options = {"memory_budget": (None, "peak memory of a training step: a fraction of the un-checkpointed "
-                                       "peak in (0, 1] (1 = no recomputation), or a size with a unit such as '512MB'")}
+    reads_captured_graph = True  # a fractional budget is a fraction of the step's peak as captured
+    options = {"memory_budget": (None, "peak memory of a training step: a fraction in (0, 1] of its peak as captured, "
+                                       "before fxopt's passes (1 = no recomputation), or a size with a unit such as "
+                                       "'512MB'")}
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
@@ -193,7 +202,8 @@ class CheckpointActivations(Pass):
             if reason:
                 result.record("refused", step.node, reason, "kept out of every checkpointed region")
         before = estimate(profile)
-        limit = amount * before.peak if kind == "fraction" else amount
+        reference = _captured_peak(ctx, before.peak)
+        limit = amount * reference if kind == "fraction" else amount
         writes, conflicts = KeptWrites(gm, profile.steps), {}
 
         def keeps_nothing_written_later(region: Region) -> bool:
@@ -213,10 +223,10 @@ class CheckpointActivations(Pass):
             lowest = estimate(profile, regions).peak
             why = _why_unreachable(result)
             result.record("refused", "<graph>", "budget_unreachable",
-                          f"no plan fits {limit / 1e6:.2f} MB; lowest reachable {lowest / before.peak:.2f}x "
+                          f"no plan fits {limit / 1e6:.2f} MB; lowest reachable {lowest / reference:.2f}x "
                           f"({lowest / 1e6:.2f} MB): {why}")
             result.figures["headline"] = (f"memory_budget {value!r} ({limit / 1e6:.2f} MB) NOT met: lowest "
-                                          f"reachable {lowest / before.peak:.2f}x of the step peak "
+                                          f"reachable {lowest / reference:.2f}x of the step peak "
                                           f"({lowest / 1e6:.2f} MB); {why}")
             warnings.warn(f"fxopt: {result.figures['headline']}", stacklevel=2)
         useful = tuple(r for r in regions if _frees(profile, r) > 0)  # a region that frees nothing only costs,

@@ -22,6 +22,14 @@ from .report import PassReport, Report
 from .verify import Verifier
 
 
+def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """The graph as it is now, with its nodes' meta, on the same parameters and submodules (nothing copied but
+    the graph), unchanged by later passes."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
 class PassManager:
     def __init__(self, passes: Sequence[Pass], instruments: Sequence[Instrument] = (),
                  verifier: Verifier | None = None):
@@ -32,6 +40,7 @@ class PassManager:
     def run(self, module: torch.nn.Module, graphs: Sequence[CapturedGraph], ctx: PassContext) -> Report:
         report = Report(ctx.mode, graphs=[g.path for g in graphs])
         by_path = {g.path: g.gm for g in graphs}
+        captured = {g.path: _snapshot(g.gm) for g in graphs} if any(p.reads_captured_graph for p in self.passes) else {}
         for instrument in self.instruments:
             instrument.start(by_path)
         for index, p in enumerate(self.passes, start=1):
@@ -42,7 +51,8 @@ class PassManager:
                 continue
             code_before = {path: gm.code for path, gm in by_path.items()}
             for g in graphs:
-                self._run_one(p, g, ctx, entry, done=[q.name for q in self.passes[:index - 1]])
+                self._run_one(p, g, dataclasses.replace(ctx, graph_path=g.path, captured=captured.get(g.path)), entry,
+                              done=[q.name for q in self.passes[:index - 1]])
             report.passes.append(entry)
             for instrument in self.instruments:  # before verifying, so a failing stage is still shown
                 instrument.after_pass(index, entry, code_before, by_path)
@@ -56,7 +66,7 @@ class PassManager:
         nodes_before = len(gm.graph.nodes)
         start = time.perf_counter()
         try:
-            result = p.run(gm, dataclasses.replace(ctx, graph_path=g.path))
+            result = p.run(gm, ctx)
             if not isinstance(result, PassResult):
                 raise TypeError(f"run() returned {type(result).__name__}, not a PassResult")
             gm.graph.lint()

@@ -8,11 +8,13 @@ from ..passes import PASSES
 from ..passes.base import MODES, Pass
 
 DEFAULT_PIPELINES: dict[str, tuple[str, ...]] = {
-    "inference": ("fold_conv_bn", "prune_dead_grads", "drop_eval_dropout", "channels_last", "inplace_relu"),
+    "inference": ("fold_conv_bn", "prune_dead_grads", "drop_zero_pads", "drop_eval_dropout", "channels_last",
+                  "inplace_relu"),
     # checkpoint_activations before inplace_relu: an in-place ReLU is a write the planner must keep out of
     # regions (and out of what they keep), while inplace_relu sees a region call as an unknown op and never
     # writes into its inputs or outputs, so each pass's gain survives the other.
-    "training": ("fold_conv_bn", "prune_dead_grads", "checkpoint_activations", "drop_eval_dropout", "inplace_relu"),
+    "training": ("fold_conv_bn", "prune_dead_grads", "drop_zero_pads", "checkpoint_activations", "drop_eval_dropout",
+                 "inplace_relu"),
 }
 
 # Keywords of fxopt.optimize besides pass options: a misspelling of one is caught as a stray option.
