@@ -8,10 +8,11 @@ command that replays it. Each network is a small program over a pool of 4-D valu
 5, 5): conv / conv-transpose / linear (on the last axis) / BatchNorm (module or functional; train or
 eval mode; `momentum=None`, `affine=False`, `track_running_stats=False`), the ReLU family and other
 activations (module or functional, sometimes `inplace=True`), dropout, add / mul / cat, views and
-reshapes whose result is used later, modules called at two sites, values with several users,
-in-place writes (`add_`, `mul_`) after the ops that would be checkpointed, several outputs, values
-nobody reads (dead code) and a flatten-linear head. In training some parameters are frozen, some BatchNorms are in eval mode, and
-the pipeline runs with or without a memory budget and `differentiable_outputs`.
+reshapes whose result is used later, zero-width pads, modules called at two sites, values with several
+users, in-place writes (`add_`, `mul_`) after the ops that would be checkpointed, several outputs,
+values nobody reads (dead code) and a flatten-linear head. In training some parameters are frozen,
+some BatchNorms are in eval mode, and the pipeline runs with or without a memory budget and
+`differentiable_outputs`.
 
 Everything is compared through the public API only (`fxopt.optimize`, the result's behaviour, the
 report's `to_dict()`), so the fuzzer keeps working whatever the capture underneath is:
@@ -57,8 +58,9 @@ ACTIVATIONS = {  # name -> (module factory taking inplace, functional form or No
     "sigmoid": (lambda ip: nn.Sigmoid(), torch.sigmoid),
     "tanh": (lambda ip: nn.Tanh(), torch.tanh),
 }
-VIEWS = {  # shape-preserving views and reshapes of a (N, C, S, S) value
+VIEWS = {  # shape-preserving views and reshapes of a (N, C, S, S) value, and a zero-width pad (a copy)
     "transpose": lambda x: x.transpose(2, 3),
+    "zero_pad": lambda x: F.pad(x, (0, 0, 0, 0)),
     "flatten_unflatten": lambda x: x.flatten(2).unflatten(2, (SIZE, SIZE)),
     "reshape": lambda x: x.reshape(x.shape[0], -1).reshape(x.shape),
     "permute": lambda x: x.permute(0, 2, 3, 1).permute(0, 3, 1, 2),
