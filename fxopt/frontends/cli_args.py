@@ -49,7 +49,7 @@ def _did_you_mean(message: str, options) -> str:
 
 
 def parse_budget(text: str) -> float | str:
-    """A bare number is a fraction of the un-checkpointed peak ('1' and '1.0' alike); bytes need a unit."""
+    """A bare number is a fraction of the captured step's peak ('1' and '1.0' alike); bytes need a unit."""
     try:
         return float(text)
     except ValueError:
@@ -74,7 +74,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", metavar="A,B", help="passes to run in order (default: the mode's pipeline)")
     parser.add_argument("--memory-budget", type=parse_budget, metavar="BUDGET",
                         help="training only (with --mode training): peak memory of a step for "
-                             "checkpoint_activations, as a fraction of the un-checkpointed peak (0.5; 1 = no "
+                             "checkpoint_activations, as a fraction of the captured step's peak (0.5; 1 = no "
                              "recomputation) or a size with a unit (512MB, 1.5GiB)")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the traceback of an error")
