@@ -8,8 +8,8 @@ activation overwrite its input? may relu save a mask instead of its output?), an
 
 The table is keyed by op name, the same for every form a graph holds an op in (`fxopt.op_names.op_name`):
 `aten.relu.default` (torch.export), `F.relu` / `torch.relu` calls and `x.relu()` methods
-(TorchDynamo) are all "relu"; a module call has no name, so it is not in the table. fxopt's own graph helpers declare what they keep (`fxopt.graph_functions`: `saves`, or a `name` this
-table knows). An ATen op whose schema says it returns a view of an argument
+(TorchDynamo) are all "relu"; a module call has no name, so it is not in the table. fxopt's own
+graph helpers declare what they keep (`fxopt.graph_functions`: `saves`, or a `name` this table knows). An ATen op whose schema says it returns a view of an argument
 (`aten.slice`, `aten.alias`, ...) keeps nothing, like the views listed here.
 Entries are what autograd saves when every tensor input requires grad (checked against
 `torch.autograd.graph.saved_tensors_hooks` by tests/test_saved_tensors.py); with some inputs

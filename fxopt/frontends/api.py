@@ -97,7 +97,8 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
     pipeline = build_pipeline(mode, settings["passes"], pass_options)
     verifier = None
     if verify:  # the reference runs on the model as it is now, before capture
-        verifier = Verifier(source, args, training=mode == TRAINING, differentiable=pass_options.get("differentiable_outputs"))
+        verifier = Verifier(source, args, training=mode == TRAINING,
+                            differentiable=pass_options.get("differentiable_outputs"))
     captured = from_model(source, args, kwargs, dynamic_batch=settings.get(DYNAMIC_BATCH_SETTING, False))
     ctx = PassContext(mode, dict(pass_options))
     report = run_pipeline(captured, pipeline, ctx, instruments=instruments, verifier=verifier)

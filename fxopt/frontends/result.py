@@ -111,7 +111,8 @@ class OptimizedModule(torch.nn.Module):
         settings = self._settings
         if failed is not None and failed.kind == CALL:
             settings = self._settings_for_another_batch(failed, args, kwargs)
-        if settings is None or failed is None or failed.kind in _RUN_ORIGINAL_KINDS or len(self._variants) >= MAX_VARIANTS:
+        if (settings is None or failed is None or failed.kind in _RUN_ORIGINAL_KINDS
+                or len(self._variants) >= MAX_VARIANTS):
             self._event(failed, RAN_ORIGINAL)
             return self.original(*args, **kwargs)
         if failed.kind == SAME_VALUE:
