@@ -95,3 +95,19 @@ def test_float64_convolution_scratch_is_measured_too():
     model, x = _ConvNet(64, 3, 1, channels_last=False).double().train(), torch.randn(2, 3, 32, 32, dtype=torch.float64)
     profile = step_profile(exported_graph(model, (x,)))
     assert estimate(profile).peak == pytest.approx(measure_allocator_peak(model, (x,)), rel=0.001)
+
+
+def test_scratch_follows_the_thread_count():
+    """An unstrided 1x1 convolution on a small batch runs ATen's Slow2d (no scratch) single-threaded and oneDNN
+    (scratch) with two threads: each thread count gets its own measurement, not the first one cached."""
+    conv, x = torch.nn.Conv2d(32, 64, 1, bias=False), torch.randn(2, 32, 16, 16)
+    call = match_conv(next(n for n in exported_graph(conv, (x,)).graph.nodes if n.op == "call_function"))
+    threads = torch.get_num_threads()
+    try:
+        scratch = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            scratch.append(conv_backward_scratch(call, True, True))
+    finally:
+        torch.set_num_threads(threads)
+    assert scratch[0] == 0 < scratch[1], scratch

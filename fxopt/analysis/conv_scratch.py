@@ -9,7 +9,7 @@ allocates depends on the path ATen and oneDNN pick from the dtype, the operands'
 kernel's shape and the thread count (single-threaded, an unstrided 1x1 on a batch under 16 runs
 ATen's own `Slow2d`, a matrix product without scratch; float64 runs `Slow2d` with its column buffer):
 no formula of the shapes held over all of them. So the call is run once on real tensors of the
-same shapes, strides and dtype under the allocator's profiler (`_measured`, cached per process;
+same shapes, strides and dtype under the allocator's profiler (`_measured`, cached per call and thread count;
 the first call allocates as every later one), and what it held at once is read from the events:
 
 * `call_peak(node)`: the most a graph's `convolution` / `convolution_backward` node holds at once,
@@ -67,9 +67,9 @@ def _real(value):
 
 
 @functools.lru_cache(maxsize=1024)
-def _measured(target, args: tuple, kwargs: tuple) -> tuple[int, int]:
-    """(the most bytes held at once, the bytes still held when it returns: its outputs) of one call, or (0, 0)
-    where it cannot be replayed."""
+def _measured(target, args: tuple, kwargs: tuple, threads: int) -> tuple[int, int]:
+    """(the most bytes held at once, the bytes still held when it returns: its outputs) of one call at `threads`
+    intra-op threads (ATen's and oneDNN's paths depend on it), or (0, 0) where it cannot be replayed."""
     with _torch_private.unset_fake_mode():
         real_args, real_kwargs = [_real(a) for a in args], {k: _real(v) for k, v in kwargs}
         try:
@@ -88,7 +88,7 @@ def _measured(target, args: tuple, kwargs: tuple) -> tuple[int, int]:
 def _measure(target, args: tuple, kwargs: tuple) -> tuple[int, int]:
     if _torch_private.profiler_running():
         return 0, 0  # the caller's profiler is recording: a second one would end its session (not cached)
-    return _measured(target, args, kwargs)
+    return _measured(target, args, kwargs, torch.get_num_threads())
 
 
 def call_peak(node: fx.Node) -> int:
