@@ -405,25 +405,6 @@ def global_module_hook_dicts() -> list[dict]:
             nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks]
 
 
-def conv_backend(x, weight, stride, padding, dilation, transposed, output_padding, groups) -> str | None:
-    """The backend ATen runs this convolution on ("Mkldnn", "Slow2d", "CudnnTranspose", ...; torch's
-    `_select_conv_backend`, which reads the tensors' device, dtype, layout and the thread count), or None."""
-    select = getattr(torch._C, "_select_conv_backend", None)
-    if select is None:
-        return None
-    try:
-        return select(x, weight, None, stride, padding, dilation, transposed, output_padding, groups).name
-    except (RuntimeError, TypeError, AttributeError):
-        return None
-
-
-def suggests_channels_last(t: torch.Tensor) -> bool:
-    """Whether ATen's `suggest_memory_format` reads `t`'s strides as channels-last (2-d or 3-d)."""
-    from torch._prims_common import suggest_memory_format
-
-    return suggest_memory_format(t) in (torch.channels_last, torch.channels_last_3d)
-
-
 # ---- ATen operators in export graphs (fxopt.analysis) ----
 
 def aten_op_name(target) -> str | None:

@@ -1,4 +1,5 @@
-"""A convolution backward's own scratch (fxopt.analysis.conv_scratch) in the memory model, against the allocator."""
+"""A convolution backward's scratch (fxopt.analysis.conv_scratch, measured) in the eager memory model, against the
+allocator."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 from fxopt.analysis.conv_scratch import conv_backward_scratch
 from fxopt.analysis.memory import estimate, step_profile
+from fxopt.analysis.ops import match_conv
 from fxopt.measure import measure_allocator_peak
 
 from graph_forms import exported_graph
@@ -32,6 +34,8 @@ CASES = {
     "plain_3x3_weight_sized": (_ConvNet(256, 3, 1, channels_last=False), torch.randn(2, 3, 4, 4)),
     # HF ConvNeXt's depthwise 7x7 on channels-last strides: oneDNN's partial sums of the weight gradient
     "channels_last_depthwise_7x7": (_ConvNet(64, 7, 64, channels_last=True), torch.randn(2, 3, 8, 8)),
+    # the same on plain strides, as HF ConvNeXt runs it (a rule of oneDNN's phases predicted this peak 25% high)
+    "plain_depthwise_7x7": (_ConvNet(96, 7, 96, channels_last=False), torch.randn(2, 3, 28, 28)),
 }
 
 
@@ -42,9 +46,9 @@ def test_predicted_peak_counts_the_convolution_backward_scratch(case):
     model, x = CASES[case]
     model.train()
     profile = step_profile(exported_graph(model, (x,)))
-    conv = next(s for s in profile.steps if s.node.meta.get("val") is not None and s.backward_scratch)
+    conv = max(profile.steps, key=lambda s: s.backward_scratch or 0)
     measured = measure_allocator_peak(model, (x,))
-    assert conv.backward_scratch > 0.3 * measured  # the scratch is most of the peak: without it the test fails
+    assert conv.backward_scratch > 0.2 * measured  # without the scratch the test fails
     assert estimate(profile).peak == pytest.approx(measured, rel=0.1)
 
 
@@ -58,8 +62,9 @@ LAYERS = {  # (conv, input): the phases that hold the most differ
 
 
 @pytest.mark.parametrize("layer", LAYERS)
-def test_rule_matches_the_allocator_on_one_convolution(layer):
-    """The rule gives exactly what the allocator sees `convolution_backward` hold beyond the gradients it returns."""
+def test_scratch_of_the_matched_call_matches_the_allocator(layer):
+    """The scratch measured for the call built from the graph's convolution is exactly what the allocator sees
+    autograd's `convolution_backward` hold beyond the gradients it returns."""
     from fxopt._torch_private import profiler_allocations
 
     conv, x = LAYERS[layer]
@@ -80,12 +85,29 @@ def test_rule_matches_the_allocator_on_one_convolution(layer):
         live += nbytes
         peak = max(peak, live)
     returned = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
-    assert conv_backward_scratch(node, True, True) == peak - returned
+    assert conv_backward_scratch(match_conv(node), True, True) == peak - returned
 
 
-def test_no_scratch_outside_onednn():
-    """A float64 convolution does not run on oneDNN (ATen's own backend choice), so no scratch is modelled."""
-    model, x = _ConvNet(8, 3, 1, channels_last=False).double().train(), torch.randn(2, 3, 4, 4, dtype=torch.float64)
-    gm = exported_graph(model, (x,))
-    convs = [n for n in gm.graph.nodes if n.op == "call_function" and "conv" in str(n.target)]
-    assert convs and all(conv_backward_scratch(n, True, True) == 0 for n in convs)
+def test_float64_convolution_scratch_is_measured_too():
+    """A float64 convolution runs ATen's Slow2d, not oneDNN; its backward's column buffer is measured like oneDNN's
+    scratch, so the predicted step peak is the allocator's (a rule modelling oneDNN alone counted 0: 9.4 MB under)."""
+    torch.manual_seed(0)
+    model, x = _ConvNet(64, 3, 1, channels_last=False).double().train(), torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    profile = step_profile(exported_graph(model, (x,)))
+    assert estimate(profile).peak == pytest.approx(measure_allocator_peak(model, (x,)), rel=0.001)
+
+
+def test_scratch_follows_the_thread_count():
+    """An unstrided 1x1 convolution on a small batch runs ATen's Slow2d (no scratch) single-threaded and oneDNN
+    (scratch) with two threads: each thread count gets its own measurement, not the first one cached."""
+    conv, x = torch.nn.Conv2d(32, 64, 1, bias=False), torch.randn(2, 32, 16, 16)
+    call = match_conv(next(n for n in exported_graph(conv, (x,)).graph.nodes if n.op == "call_function"))
+    threads = torch.get_num_threads()
+    try:
+        scratch = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            scratch.append(conv_backward_scratch(call, True, True))
+    finally:
+        torch.set_num_threads(threads)
+    assert scratch[0] == 0 < scratch[1], scratch

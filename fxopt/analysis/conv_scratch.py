@@ -1,94 +1,123 @@
-"""What a convolution's backward allocates beyond the gradients it returns, from the op's arguments.
+"""What a CPU convolution allocates while it runs, measured once per distinct call: the one source of both
+memory models (the eager step's, fxopt.analysis.memory, and a compiled partition's, fxopt.analysis.partition_memory).
 
-On CPU, ATen runs a float convolution's backward through oneDNN (`ConvBackend.Mkldnn`; torch's own
-`_select_conv_backend` says which backend a call takes, thread count included: single-threaded,
-an unstrided 1x1 convolution on a batch under 16 takes `Slow2d`, a matrix product with no scratch).
-`mkldnn_convolution_backward` (aten/src/ATen/native/mkldnn/Conv.cpp) then allocates, beyond the
-gradients of input, weight and bias that the memory model counts already
-(fxopt.analysis.memory, `grad_live` and the parameter gradients):
+On CPU, ATen runs a float convolution and its backward through oneDNN, which allocates beyond the
+result: copies of the operands in its own (blocked) layout, each gradient made twice (oneDNN's and
+the dense copy ATen returns), a weight-sized partial sum per thread block for a channels-last
+depthwise kernel above 3x3 (HF ConvNeXt's 7x7: 4.8 MB), a compact copy for a strided 1x1. What it
+allocates depends on the path ATen and oneDNN pick from the dtype, the operands' strides, the
+kernel's shape and the thread count (single-threaded, an unstrided 1x1 on a batch under 16 runs
+ATen's own `Slow2d`, a matrix product without scratch; float64 runs `Slow2d` with its column buffer):
+no formula of the shapes held over all of them. So the call is run once on real tensors of the
+same shapes, strides and dtype under the allocator's profiler (`_measured`, cached per call and thread count;
+the first call allocates as every later one), and what it held at once is read from the events:
 
-* plain (NCHW) layout: oneDNN computes on blocked layouts, so each gradient is made twice, oneDNN's
-  own and the dense copy ATen returns, and the inputs of each primitive are reordered first
-  (`_plain_layout_scratch`, phase by phase). With both gradients that is max(x + y, w) beyond them
-  (x, y, w: the bytes of input, output and weight), and at least 2x - w for a strided 1x1
-  convolution (oneDNN computes its input gradient in a compact copy); with the input gradient only,
-  max(y + w, x) (2x for a strided 1x1).
-  (HF ResNet-50's last 3x3, 512 -> 512 at 7x7: a second 9.44 MB weight-sized buffer.)
-* channels-last (input or weight suggests it): ATen gives oneDNN the input gradient itself; the
-  weight gradient is oneDNN's, then dense, then a channels-last copy where that layout differs from
-  the dense one (2w or w); an input or weight not already channels-last is copied first (x, w); and
-  oneDNN's depthwise backward-weights kernel for kernels above 3x3 keeps 64 weight-sized partial
-  sums (HF ConvNeXt's 7x7 depthwise, 384 channels: 4.8 MB). Without a weight gradient: the weight
-  reordered (w).
+* `call_peak(node)`: the most a graph's `convolution` / `convolution_backward` node holds at once,
+  outputs included (a compiled partition calls these ops itself);
+* `conv_backward_scratch(conv, input_grad, weight_grad)`: what the backward autograd runs for a
+  matched convolution (`convolution_backward` of a gradient shaped and strided as its output)
+  holds beyond the gradients it returns, which the eager model counts already.
 
-Measured on torch 2.13's CPU build with the allocator's events (tests/test_conv_scratch.py checks
-the rule against them on the layers it names). Other backends (float64's `Slow2d`, CUDA's cuDNN,
-whose workspace is its own) are not modelled: 0.
+Not measured (0): other devices (CUDA's cuDNN workspace is its own), a call whose operands are not
+all known tensors, a string padding, a call that fails when replayed, and any call while a torch
+profiler records (a second one would end the caller's session; not cached).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from .ops import match_conv
+from .ops import ConvCall
 
-DEPTHWISE_PARTIAL_SUMS = 64  # weight-sized buffers oneDNN's channels-last depthwise backward-weights kernel keeps
-
-
-def _tuple(value, dims: int) -> list[int]:
-    return list(value) if isinstance(value, (list, tuple)) else [value] * dims
+MEASURED_OPS = ("convolution", "convolution_backward")  # ATen ops whose CPU kernels allocate scratch
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return _torch_private.size_hint(t.numel()) * t.element_size()
+class _NotMeasured(Exception):
+    pass
 
 
-def _strided_1x1(conv, weight: torch.Tensor) -> bool:
-    return all(k == 1 for k in weight.shape[2:]) and any(s > 1 for s in _tuple(conv.stride, conv.spatial_dims))
+def _tensor_spec(t) -> tuple:
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        raise _NotMeasured
+    return ("tensor", tuple(map(_torch_private.size_hint, t.shape)),
+            tuple(map(_torch_private.size_hint, t.stride())), t.dtype)
 
 
-def _plain_layout_scratch(xb: int, yb: int, wb: int, input_grad: bool, weight_grad: bool, strided_1x1: bool) -> int:
-    """The most a plain-layout backward holds at once, less the gradients it returns (module docstring), phase
-    by phase: backward-data holds the reordered output gradient and weight with oneDNN's input gradient, then
-    oneDNN's and the dense input gradient (and, for a strided 1x1, the compact copy oneDNN computes it in);
-    backward-weights holds the dense input gradient, reordered input and output gradient with oneDNN's weight
-    gradient, then oneDNN's and the dense weight gradient."""
-    returned = (xb if input_grad else 0) + (wb if weight_grad else 0)
-    held = []
-    if input_grad:
-        held += [yb + wb + xb, (3 if strided_1x1 else 2) * xb]
-    if weight_grad:
-        dense_input_grad = xb if input_grad else 0
-        held += [dense_input_grad + xb + yb + wb, dense_input_grad + 2 * wb]
-    return max(held) - returned
+def _spec(value):
+    """A hashable description of a call argument (a node by its fake tensor), from which `_real` rebuilds it."""
+    if isinstance(value, fx.Node):
+        return _tensor_spec(value.meta.get("val"))
+    if isinstance(value, (list, tuple)):
+        return tuple(_spec(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    raise _NotMeasured
 
 
-def conv_backward_scratch(node: fx.Node, input_grad: bool, weight_grad: bool) -> int:
-    """Bytes `node`'s backward allocates beyond its gradients (module docstring), 0 if not a convolution
-    or its backend is not modelled; `input_grad` / `weight_grad`: which gradients its backward makes."""
-    conv = match_conv(node)
-    if conv is None or not (input_grad or weight_grad) or isinstance(conv.padding, str):
+def _real(value):
+    if isinstance(value, tuple) and value and value[0] == "tensor":
+        _, shape, stride, dtype = value
+        return torch.empty_strided(shape, stride, dtype=dtype).fill_(1)
+    if isinstance(value, tuple):
+        return [_real(v) for v in value]
+    return value
+
+
+@functools.lru_cache(maxsize=1024)
+def _measured(target, args: tuple, kwargs: tuple, threads: int) -> tuple[int, int]:
+    """(the most bytes held at once, the bytes still held when it returns: its outputs) of one call at `threads`
+    intra-op threads (ATen's and oneDNN's paths depend on it), or (0, 0) where it cannot be replayed."""
+    with _torch_private.unset_fake_mode():
+        real_args, real_kwargs = [_real(a) for a in args], {k: _real(v) for k, v in kwargs}
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                outputs = target(*real_args, **real_kwargs)  # held until the profile ends: `live` counts them
+        except Exception:  # noqa: BLE001  the call the graph makes could not be replayed: not measured
+            return 0, 0
+    del outputs
+    live = peak = 0
+    for _, _, nbytes in _torch_private.profiler_allocations(prof):
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live
+
+
+def _measure(target, args: tuple, kwargs: tuple) -> tuple[int, int]:
+    if _torch_private.profiler_running():
+        return 0, 0  # the caller's profiler is recording: a second one would end its session (not cached)
+    return _measured(target, args, kwargs, torch.get_num_threads())
+
+
+def call_peak(node: fx.Node) -> int:
+    """The most bytes a CPU `convolution` or `convolution_backward` node holds at once while it runs, outputs
+    included; 0 for other nodes, or where it is not measured (module docstring)."""
+    if node.op != "call_function" or _torch_private.aten_op_name(node.target) not in MEASURED_OPS:
         return 0
-    x, weight, y = conv.input.meta.get("val"), conv.weight.meta.get("val"), node.meta.get("val")
-    if not all(isinstance(t, torch.Tensor) for t in (x, weight, y)) or x.device.type != "cpu":
+    try:
+        args, kwargs = _spec(tuple(node.args)), tuple(sorted((k, _spec(v)) for k, v in node.kwargs.items()))
+    except _NotMeasured:
+        return 0
+    return _measure(node.target, args, kwargs)[0]
+
+
+def _tuple(value, dims: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,) * dims
+
+
+def conv_backward_scratch(conv: ConvCall, input_grad: bool, weight_grad: bool) -> int:
+    """Bytes the backward of the matched convolution `conv` holds beyond the gradients it returns (module
+    docstring), 0 where not measured; `input_grad` / `weight_grad`: which gradients its backward makes."""
+    if not (input_grad or weight_grad) or isinstance(conv.padding, str):
         return 0
     dims = conv.spatial_dims
-    backend = _torch_private.conv_backend(x, weight, _tuple(conv.stride, dims), _tuple(conv.padding, dims),
-                                          _tuple(conv.dilation, dims), conv.transposed,
-                                          _tuple(conv.output_padding, dims), conv.groups)
-    if backend != "Mkldnn" or conv.transposed:
+    try:
+        x, weight, y = (_tensor_spec(n.meta.get("val")) for n in (conv.input, conv.weight, conv.node))
+    except _NotMeasured:
         return 0
-    xb, yb, wb = _nbytes(x), _nbytes(y), _nbytes(weight)
-    if not any(_torch_private.suggests_channels_last(t) for t in (x, weight)):
-        return _plain_layout_scratch(xb, yb, wb, input_grad, weight_grad, _strided_1x1(conv, weight))
-    channels_last = torch.channels_last if dims == 2 else torch.channels_last_3d
-    copies = sum(b for t, b in ((x, xb), (weight, wb)) if not t.is_contiguous(memory_format=channels_last))
-    if not weight_grad:
-        return copies + wb
-    dense_is_channels_last = torch.empty(weight.shape, device="meta").is_contiguous(memory_format=channels_last)
-    weight_copies = 1 if dense_is_channels_last else 2
-    depthwise = conv.groups > 1 and weight.shape[1] == 1 and conv.groups == x.shape[1]
-    if depthwise and max(weight.shape[2:]) > 3:
-        weight_copies += DEPTHWISE_PARTIAL_SUMS
-    return copies + weight_copies * wb
+    args = (y, x, weight, None, _tuple(conv.stride, dims), _tuple(conv.padding, dims), _tuple(conv.dilation, dims),
+            conv.transposed, _tuple(conv.output_padding, dims), conv.groups, (input_grad, weight_grad, False))
+    peak, returned = _measure(torch.ops.aten.convolution_backward.default, args, ())
+    return peak - returned

@@ -358,7 +358,7 @@ def _conv_scratch(node: fx.Node, grad_needs) -> int | None:
     conv = match_conv(node)
     if conv is None:
         return None
-    return conv_backward_scratch(node, conv.input in grad_needs.requires_grad, conv.weight in grad_needs.requires_grad)
+    return conv_backward_scratch(conv, conv.input in grad_needs.requires_grad, conv.weight in grad_needs.requires_grad)
 
 
 def _device(gm: fx.GraphModule) -> torch.device:

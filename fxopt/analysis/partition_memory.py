@@ -16,12 +16,10 @@ the fake tensors of `node.meta["val"]` (each storage counted once, so views cost
 * a CPU convolution or convolution backward allocates scratch beside its outputs (copies of its
   operands in the kernel library's layout, a second weight-sized buffer: 3 MB beside a 1.1 MB
   result for a 32->64 3x3 backward at 32x32, batch 8, yet none for a 1x1 one or on channels-last
-  operands; no formula of the shapes held over the paths ATen picks). So it is measured: the op
-  is run once per distinct call (shapes, strides, dtype, arguments) on real tensors under the
-  allocator's profiler, and the most it held at once, outputs and scratch, is added to what was
-  alive before it (`_kernel_peak`, cached per process). Its gradient outputs count there too
-  (a weight's gradient is copied once more before it is returned), so this errs high by at most
-  one weight gradient;
+  operands): the most it holds at once, outputs and scratch, measured once per distinct call
+  (fxopt.analysis.conv_scratch.call_peak, the measurement the eager model reads too), is added
+  to what was alive before it. Its gradient outputs count there too (a weight's gradient is
+  copied once more before it is returned), so this errs high by at most one weight gradient;
 * storages of the joint graph's inputs (parameters, buffers, inputs) live anyway, and the
   backward's outputs (the gradients the step leaves in `.grad`, as with
   `zero_grad(set_to_none=True)`) are not step memory: neither is counted, as in
@@ -34,12 +32,12 @@ pointwise ops, whose intermediates then never exist, so there it is an upper bou
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from .conv_scratch import call_peak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,62 +87,6 @@ def _promotion_copies(node: fx.Node) -> int:
     return sum(_torch_private.size_hint(t.numel()) * common.itemsize for t in tensors if t.dtype != common)
 
 
-SCRATCH_MEASURED = ("convolution", "convolution_backward")  # ATen ops whose CPU kernels allocate scratch
-
-
-def _kernel_peak(node: fx.Node) -> int:
-    """The most bytes a CPU convolution (forward or backward) holds at once while it runs, outputs included,
-    measured once per distinct call (see module docstring); 0 for other ops and devices, or where it cannot be
-    measured."""
-    if node.op != "call_function" or _torch_private.aten_op_name(node.target) not in SCRATCH_MEASURED:
-        return 0
-
-    def spec(value):
-        if isinstance(value, fx.Node):
-            t = value.meta.get("val")
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                raise ValueError
-            return ("tensor", tuple(map(_torch_private.size_hint, t.shape)),
-                    tuple(map(_torch_private.size_hint, t.stride())), t.dtype)
-        if isinstance(value, (list, tuple)):
-            return tuple(spec(v) for v in value)
-        if value is None or isinstance(value, (bool, int, float)):
-            return value
-        raise ValueError
-    try:
-        key = (node.target, spec(tuple(node.args)), tuple(sorted((k, spec(v)) for k, v in node.kwargs.items())))
-    except ValueError:
-        return 0
-    if _torch_private.profiler_running():
-        return 0  # the caller's profiler is recording: a second one would end its session (not cached)
-    return _measured_peak(key)
-
-
-@functools.lru_cache(maxsize=1024)
-def _measured_peak(key) -> int:
-    target, args, kwargs = key
-
-    def real(value):
-        if isinstance(value, tuple) and value and value[0] == "tensor":
-            _, shape, stride, dtype = value
-            return torch.empty_strided(shape, stride, dtype=dtype).fill_(1)
-        if isinstance(value, tuple):
-            return [real(v) for v in value]
-        return value
-    with _torch_private.unset_fake_mode():
-        tensors = tuple(real(a) for a in args), {k: real(v) for k, v in kwargs}
-        try:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-                target(*tensors[0], **tensors[1])
-        except Exception:  # noqa: BLE001  the call the graph makes could not be replayed: not measured
-            return 0
-    live = peak = 0
-    for _, _, nbytes in _torch_private.profiler_allocations(prof):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def _graph_peak(graph: fx.Graph, live: dict, not_counted: set) -> int:
     """Peak bytes while `graph` runs, starting with `live` (storage key -> bytes, freed at last use like the
     graph's own values); the graph's outputs stay alive to its end."""
@@ -170,7 +112,7 @@ def _graph_peak(graph: fx.Graph, live: dict, not_counted: set) -> int:
                 if key not in live and key not in not_counted:
                     live[key] = _nbytes(t)
                     now += live[key]
-            peak = max(peak, now + _promotion_copies(node), before + _kernel_peak(node))
+            peak = max(peak, now + _promotion_copies(node), before + call_peak(node))
         for key in freed_at.get(position, ()):
             now -= live.pop(key, 0)
     return peak

@@ -48,10 +48,18 @@ baseline), keep values bitwise and cut what the backward holds at once: dropouts
 masks (above), and a mean's gradient divided before it is expanded (`_pointwise_before_expand`:
 the benchmark's CNN peaked on that full-size temporary at its widest block, 0.57x -> 0.54x).
 Limits: the prediction follows aot_eager, which runs the partition op by op (a CPU convolution's
-scratch is measured, `fxopt.analysis.partition_memory`); Inductor fuses pointwise ops (their
+scratch is measured, `fxopt.analysis.conv_scratch`); Inductor fuses pointwise ops (their
 intermediates never exist), lays convolutions out channels-last and reuses buffers, so there the
 prediction is only a guide and the measured ratios differ (benchmarks/compile_budget.py --inner
-inductor). Needs torch with `torch._inductor.config.custom_partitioner_fn` for `inner="inductor"`.
+inductor). There the benchmark's CNN bottoms out at 0.56x of its 10.73 MB step peak (every
+candidate measured; the lowest recomputes blocks 1-2, 3-4 and 5 from the input and the outputs of
+blocks 2 and 4, and peaks at 6.05 MB in block 4's backward). Its widest block's backward alone holds
+the recomputed convolution output and the gradient Inductor writes beside it (2.10 MB each), the
+block's input (1.05 MB: its weight gradient reads it), block 2's output (0.52 MB) and the
+channels-last copies of the input and weights Inductor's forward saves (0.24 MB): 6.01 MB, above
+0.55x (5.90 MB); saving no output of blocks 1-4 instead makes their one recomputation keep all of
+theirs at once (0.71x). Needs torch with
+`torch._inductor.config.custom_partitioner_fn` for `inner="inductor"`.
 """
 from __future__ import annotations
 
