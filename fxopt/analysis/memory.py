@@ -19,7 +19,8 @@ live anyway and cost nothing (as in `fxopt.measure`).
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
   on top of what is kept, while its backward starts, and each is freed after the backward of its
   first holder, as the gradients inside the region come and go (and a convolution's scratch, as
-  outside regions); a region may keep the masks of its
+  outside regions; a selective region's cached outputs are dropped as the recomputation takes them);
+  a region may keep the masks of its
   dropouts and replay them (`Region.replay_dropout`, fxopt.analysis.dropout_replay);
 * the forward at p holds the kept tensors made so far and the tensors still to be read.
 
@@ -199,14 +200,28 @@ class StepProfile:
                 keeps, stop, above = self.steps[segment].saved, segment + 1, self._backward_above[segment]
             else:
                 keeps, stop = self.region_keeps(segment), segment.stop
-                above = self._region_backward_peak(segment, keeps | held)
+                cached = self._cached_outputs(segment)
+                above = self._region_backward_peak(segment, (keeps | held) - cached) - self.bytes_of(cached)
             still_read = frozenset(k for k in held | keeps if self.last_read[k] >= stop)
             self._deltas[key] = (self.bytes_of(keeps - held), above, still_read)
         return self._deltas[key]
 
+    def _cached_outputs(self, r: Region) -> frozenset:
+        """The outputs a selective region keeps that its recomputation takes from torch's cache, which drops each
+        then (torch.utils.checkpoint's _CachedTorchDispatchMode marks the entry consumed): after it, each lives on
+        only where a step saves it, as a recomputed tensor. The recomputation stops once the last step that saves
+        something has saved its inputs (checkpoint's early stop), so outputs of that step and later ones stay
+        cached, and so do graph outputs."""
+        saving = [q for q in range(r.start, r.stop) if self.steps[q].saved]
+        if not r.save_counted or not saving:
+            return frozenset()
+        made = frozenset().union(*(self.steps[q].creates for q in range(r.start, saving[-1])))
+        return frozenset(k for k in made & self.region_keeps(r) if self.last_read[k] < len(self.steps))
+
     def _region_backward_peak(self, r: Region, counted: frozenset) -> int:
         """Live bytes above `counted` during a region's backward: its recomputation makes again what its
-        steps save (and the last step's output on the way); each is freed after the backward of its
+        steps save (and the last step's output on the way), a selective region's cached outputs among them
+        (`_cached_outputs`); each is freed after the backward of its
         first holder, while the gradients at each step are alive, with a convolution's scratch
         (fxopt.analysis.conv_scratch). No other temporary: ATen's backward kernels of linear, matmul, GELU,
         softmax, layer norm, dropout and add allocate the gradients they return and nothing else
