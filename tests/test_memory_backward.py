@@ -1,4 +1,5 @@
-"""What a backward holds beyond gradients in the memory model: a convolution's scratch, and no other temporary."""
+"""What a backward holds beyond gradients in the memory model: a convolution's scratch, the temporaries of pow and
+broadcast mul (fxopt.analysis.backward_temporaries), and nothing else."""
 from __future__ import annotations
 
 import pytest
@@ -69,3 +70,31 @@ def test_backward_allocates_only_its_gradients(op):
     inputs = [torch.randn(s) for s in shapes]
     out_bytes = fn(*inputs).untyped_storage().nbytes()
     assert _backward_beyond_gradients(fn, *inputs) <= 0.01 * out_bytes
+
+
+class _LayerScale(torch.nn.Module):
+    """ConvNeXt's and CaiT's per-channel gain: a broadcast parameter times the activation."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.full((width,), 1e-6))
+
+    def forward(self, x):
+        return self.gain * x
+
+
+class _MeanSquare(torch.nn.Module):
+    def forward(self, x):
+        return (x ** 2).mean()
+
+
+@pytest.mark.parametrize("tail", ["layer_scale", "mean_square"])
+def test_backward_temporaries_of_pow_and_broadcast_mul(tail):
+    """A layer scale's backward makes the full product before reducing it to the gain's gradient, and a square's
+    backward two input-sized tensors: counted, the predicted step peak is the allocator's within 1% (without them
+    23% and 33% under)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 1024), _LayerScale(1024)] + ([] if tail == "mean_square" else [torch.nn.Linear(1024, 16)])
+    model, x = torch.nn.Sequential(*layers, _MeanSquare()).train(), torch.randn(4, 64, 256)
+    profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module)
+    assert estimate(profile).peak == pytest.approx(measure_allocator_peak(model, (x,)), rel=0.01)

@@ -15,7 +15,8 @@ live anyway and cost nothing (as in `fxopt.measure`).
   before p, plus the gradients of the tensors crossing p and of the trainable parameters it
   reads (`grad_live`: made before they accumulate into `.grad`), plus what a convolution's backward
   allocates beyond those gradients (`Step.backward_scratch`, fxopt.analysis.conv_scratch: oneDNN's own
-  copies of the gradients, reorders, partial sums);
+  copies of the gradients, reorders, partial sums; fxopt.analysis.backward_temporaries: pow's and a
+  broadcast mul's products);
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
   on top of what is kept, while its backward starts, and each is freed after the backward of its
   first holder, as the gradients inside the region come and go (and a convolution's scratch, as
@@ -40,6 +41,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..op_names import op_name
+from .backward_temporaries import backward_temporary
 from .conv_scratch import conv_backward_scratch
 from .dropout_replay import draws_unreplayed, replayed_dropout_p
 from .flops import node_flops
@@ -68,7 +70,8 @@ class Step:
     mask: frozenset = frozenset()  # a dropout a region may replay: its mask's key (fxopt.analysis.dropout_replay)
     replay_seconds: float | None = None  # the replay's measured time, if measured
     outputs: frozenset = frozenset()  # the storages of its output value it creates (creates less private buffers)
-    backward_scratch: int | None = None  # what its backward allocates beyond its gradients, if known (a convolution)
+    backward_scratch: int | None = None  # what its backward allocates beyond its gradients, if known (a convolution's
+    # scratch; fxopt.analysis.backward_temporaries for other ops)
 
     @property
     def replay_saving(self) -> int:
@@ -189,7 +192,7 @@ class StepProfile:
                                                                    initial=0))
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_flops_prefix = list(itertools.accumulate((s.flops * s.counted for s in self.steps), initial=0))
-        # each step's backward holds the gradients and, a convolution's, its scratch (Step.backward_scratch)
+        # each step's backward holds the gradients and what it allocates beyond them (Step.backward_scratch)
         self._backward_above = [g + (s.backward_scratch or 0) for g, s in zip(self.grad_live, self.steps)]
 
     def segment_delta(self, held: frozenset, segment: Region | int) -> tuple[int, int, frozenset]:
@@ -223,7 +226,8 @@ class StepProfile:
         steps save (and the last step's output on the way), a selective region's cached outputs among them
         (`_cached_outputs`); each is freed after the backward of its
         first holder, while the gradients at each step are alive, with a convolution's scratch
-        (fxopt.analysis.conv_scratch). No other temporary: ATen's backward kernels of linear, matmul, GELU,
+        (fxopt.analysis.conv_scratch) or pow's and broadcast mul's temporaries (fxopt.analysis.backward_temporaries).
+        No other temporary: ATen's backward kernels of linear, matmul, GELU,
         softmax, layer norm, dropout and add allocate the gradients they return and nothing else
         (profiler_allocations, each run alone; a layer norm's per-row partial sums, under 1% of its output,
         aside); a temporary the size of each op's output over-predicted regions over residual MLP blocks
@@ -351,7 +355,7 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
                           flops.get(node.name, 0), flops.get(node.name, 0) > 0,
                           seconds.get(node.name, 0.0) if timed else None, mask,
                           seconds.get(replay_key(node.name), 0.0) if timed and mask else None, outputs,
-                          _conv_scratch(node, grad_needs) if node in needs_grad else None))
+                          _backward_scratch(node, grad_needs) if node in needs_grad else None))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -365,6 +369,13 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
     grads = [g + _parameter_gradient_bytes(node, gm, trainable) for g, node in zip(grads, calls)]
     overhead = region_overhead(_device(gm)) if seconds is not None else None
     return StepProfile(steps, nbytes, last_read, grads, overhead)
+
+
+def _backward_scratch(node: fx.Node, grad_needs) -> int | None:
+    """What `node`'s backward allocates beyond its gradients: a convolution's scratch, else
+    fxopt.analysis.backward_temporaries' rule (None where that is nothing)."""
+    scratch = _conv_scratch(node, grad_needs)
+    return scratch if scratch is not None else backward_temporary(node, grad_needs.requires_grad) or None
 
 
 def _conv_scratch(node: fx.Node, grad_needs) -> int | None:
