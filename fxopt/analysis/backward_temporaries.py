@@ -1,4 +1,4 @@
-"""What an op's backward allocates beyond the gradients it returns, from autograd's formulas (other than a convolution's).
+"""What an op's backward allocates beyond the gradients it returns, from autograd's formulas (a convolution's aside).
 
 The memory model (fxopt.analysis.memory) counts at each backward the gradients of the tensors
 crossing it; most ATen backwards allocate nothing else (linear, matmul, GELU, softmax, layer norm,
