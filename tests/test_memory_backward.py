@@ -1,0 +1,101 @@
+"""What a backward holds beyond gradients in the memory model: a convolution's scratch, the temporaries of pow and
+broadcast mul (fxopt.analysis.backward_temporaries), and nothing else."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxopt
+from fxopt._torch_private import profiler_allocations
+from fxopt.analysis.memory import Region, estimate, step_profile
+from fxopt.measure import measure_allocator_peak
+from fxopt.passes._checkpoint_region import extract_region
+
+from test_memory_attention import _ResidualMLP
+
+
+def _mlp_blocks(depth: int = 3):
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(*[_ResidualMLP(256) for _ in range(depth)]).train(), torch.randn(4, 64, 256)
+    return fxopt.optimize(model, (x,), mode="training", passes=[]), x
+
+
+@pytest.mark.parametrize("bounds", [[("layer_norm", "add"), ("layer_norm_1", "add_1"), ("layer_norm_2", "add_2")],
+                                    [("layer_norm", "add_2")]], ids=["per_block", "all_blocks"])
+def test_regions_over_mlp_blocks_predicted_to_one_percent(bounds):
+    """Whole regions over residual MLP blocks: the predicted step peak is the allocator's within 1% (a temporary the
+    size of each op's output in a region's backward over-predicted it by 2.6-4.7%)."""
+    opt, x = _mlp_blocks()
+    gm = opt.graph_module
+    profile = step_profile(gm)
+    names = [s.node.name for s in profile.steps]
+    regions = [Region(names.index(first), names.index(last) + 1) for first, last in bounds]
+    predicted = estimate(profile, regions).peak
+    for r in regions:
+        nodes = [s.node for s in profile.steps[r.start:r.stop]]
+        extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", False)
+    gm.recompile()
+    assert predicted == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.01)
+
+
+def _backward_beyond_gradients(op, *inputs) -> int:
+    """Peak bytes the allocator holds during `op`'s backward, run alone, beyond the gradients it returns."""
+    inputs = [t.requires_grad_() for t in inputs]
+    y = op(*inputs)
+    grad = torch.randn_like(y)
+    torch.autograd.grad(y, inputs, grad, retain_graph=True)  # one-time costs
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        grads = torch.autograd.grad(y, inputs, grad)
+    live = peak = 0
+    for _, _, nbytes in profiler_allocations(prof):
+        live += nbytes
+        peak = max(peak, live)
+    return peak - sum(g.untyped_storage().nbytes() for g in grads)
+
+
+OPS = {
+    "linear": (torch.nn.functional.linear, (4, 64, 256), (512, 256), (512,)),
+    "gelu": (torch.nn.functional.gelu, (4, 64, 256)),
+    "softmax": (lambda x: x.softmax(-1), (4, 4, 64, 64)),
+    "matmul": (torch.matmul, (4, 4, 64, 32), (4, 4, 32, 64)),
+    "layer_norm": (lambda x, w, b: torch.nn.functional.layer_norm(x, (256,), w, b), (4, 64, 256), (256,), (256,)),
+    "add": (torch.add, (4, 64, 256), (4, 64, 256)),
+}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_backward_allocates_only_its_gradients(op):
+    """ATen's backward of these ops, alone, holds at most 1% of its output beyond the gradients it returns."""
+    fn, *shapes = OPS[op]
+    inputs = [torch.randn(s) for s in shapes]
+    out_bytes = fn(*inputs).untyped_storage().nbytes()
+    assert _backward_beyond_gradients(fn, *inputs) <= 0.01 * out_bytes
+
+
+class _LayerScale(torch.nn.Module):
+    """ConvNeXt's and CaiT's per-channel gain: a broadcast parameter times the activation."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.full((width,), 1e-6))
+
+    def forward(self, x):
+        return self.gain * x
+
+
+class _MeanSquare(torch.nn.Module):
+    def forward(self, x):
+        return (x ** 2).mean()
+
+
+@pytest.mark.parametrize("tail", ["layer_scale", "mean_square"])
+def test_backward_temporaries_of_pow_and_broadcast_mul(tail):
+    """A layer scale's backward makes the full product before reducing it to the gain's gradient, and a square's
+    backward two input-sized tensors: counted, the predicted step peak is the allocator's within 1% (without them
+    23% and 33% under)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 1024), _LayerScale(1024)]
+    layers += [] if tail == "mean_square" else [torch.nn.Linear(1024, 16)]
+    model, x = torch.nn.Sequential(*layers, _MeanSquare()).train(), torch.randn(4, 64, 256)
+    profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module)
+    assert estimate(profile).peak == pytest.approx(measure_allocator_peak(model, (x,)), rel=0.01)
