@@ -21,6 +21,7 @@ from torch.testing import FileCheck
 
 import fxopt
 from fxopt.measure import measure_peak, measure_saved_bytes
+from fxopt.passes._relu_mask import relu_mask, relu_mask_
 from fxopt.passes.base import PassContext
 from fxopt.passes.inplace_relu import InplaceReLU
 from fxopt.pipeline.pipelines import DEFAULT_PIPELINES
@@ -414,6 +415,19 @@ def test_mask_gradients_are_bit_identical():
         m(*FEATURES).square().sum().backward()
         grads.append([p.grad.clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_mask_passes_gradients_where_the_input_is_nan(inplace):
+    """A NaN input (so a NaN output) passes its gradient through the masked relu as through ATen's."""
+    x = torch.tensor([float("nan"), -1.0, 0.0, 2.0, float("inf"), float("-inf")])
+    grad = torch.tensor([1.0, 2.0, float("nan"), float("inf"), 3.0, 4.0])
+    grads = []
+    for relu in (torch.relu, relu_mask_ if inplace else relu_mask):
+        leaf = x.clone().requires_grad_()
+        relu(leaf * 1).backward(grad)
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], equal_nan=True, rtol=0, atol=0)
 
 
 def test_no_mask_where_next_layer_keeps_the_output():

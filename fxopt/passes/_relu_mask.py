@@ -1,9 +1,10 @@
 """`relu_mask(x)`: a ReLU whose backward keeps a bool mask instead of its float output.
 
 `torch.relu` saves its whole output for backward although backward only needs where it was
-positive; this saves `output > 0` as `torch.bool`, one byte per element (4x less for float32,
-2x for bfloat16/float16). The gradient is `torch.where(mask, grad, 0)`, bit-for-bit what
-`threshold_backward(grad, output, 0)` computes, NaN and inf gradients included.
+positive; this saves `output <= 0` as `torch.bool`, one byte per element (4x less for float32,
+2x for bfloat16/float16). The gradient is `torch.where(zeroed, 0, grad)`, bit-for-bit what
+`threshold_backward(grad, output, 0)` computes: NaN and inf gradients included, and a NaN
+output (a NaN input) passes its gradient as ATen's does, since `NaN <= 0` is false.
 
 `relu_mask_(x)` does the same in place (`x` is marked dirty, as `torch.relu_` would).
 """
@@ -21,13 +22,13 @@ class _ReluMask(torch.autograd.Function):
         out = torch.relu_(x) if inplace else torch.relu(x)
         if inplace:
             ctx.mark_dirty(x)
-        ctx.save_for_backward(out > 0)
+        ctx.save_for_backward(out <= 0)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (mask,) = ctx.saved_tensors
-        return torch.where(mask, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None
+        (zeroed,) = ctx.saved_tensors
+        return torch.where(zeroed, torch.zeros((), dtype=grad.dtype, device=grad.device), grad), None
 
 
 @graph_function(name="relu_mask", saves=bool_mask_bytes)
