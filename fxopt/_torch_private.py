@@ -4,7 +4,10 @@ A torch upgrade that moves one of these should need a change here and nowhere el
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -350,9 +353,43 @@ def profiler_running() -> bool:
     return torch._C._autograd._profiler_enabled()
 
 
+@contextlib.contextmanager
+def _stderr_silenced():
+    """Process-level stderr (file descriptor 2) goes to the null device for the block; unchanged where it has none."""
+    sys.stderr.flush()
+    try:
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+@contextlib.contextmanager
+def allocation_profile():
+    """A CPU `torch.profiler.profile(profile_memory=True)` around the block, yielding the profile for
+    `profiler_allocations`. Kineto prints a line to stderr as it starts and as it stops, whatever its log
+    level (torch 2.13), which would reach the user on every `optimize()` that measures a convolution: only
+    those two moments run with stderr silenced, never the block."""
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with _stderr_silenced():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _stderr_silenced():
+            prof.__exit__(None, None, None)
+
+
 def profiler_allocations(prof) -> list[tuple[int, int, int]]:
-    """(time in ns, address, +bytes allocated / -bytes freed) of every allocator event a
-    `torch.profiler.profile(profile_memory=True)` run recorded, in time order."""
+    """(time in ns, address, +bytes allocated / -bytes freed) of every allocator event an
+    `allocation_profile()` recorded, in time order."""
     found, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:
         event = pending.pop()

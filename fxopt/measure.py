@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ._torch_private import dispatch_mode_base, profiler_allocations, tree_leaves
+from ._torch_private import allocation_profile, dispatch_mode_base, profiler_allocations, tree_leaves
 
 
 class _LiveStorageMode(dispatch_mode_base()):
@@ -151,7 +151,7 @@ def measure_allocator_peak(model: torch.nn.Module, inputs: tuple, forward=None, 
     reset_gradients()
     step()
     reset_gradients()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with allocation_profile() as prof:
         step()
     model.zero_grad(set_to_none=True)
     events = profiler_allocations(prof)

@@ -1,4 +1,6 @@
 """fxopt.measure counts what torch really allocates: checked on steps whose memory is known by hand."""
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -56,3 +58,16 @@ def test_allocator_peak_takes_a_compiled_forward():
     model = nn.Linear(16, 4)  # not a container: its compiled wrapper raises on len()
     compiled = torch.compile(model, backend="eager")
     assert measure_allocator_peak(model, (torch.randn(8, 16),), compiled) > 0
+
+
+def test_allocator_profile_prints_nothing_of_its_own(capfd):
+    """Measuring with the profiler leaves stderr to the model: kineto's start/stop lines are not shown."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+
+    class Noisy(nn.Module):
+        def forward(self, x):
+            print("the model's own line", file=sys.stderr, flush=True)
+            return model(x)
+
+    measure_allocator_peak(Noisy(), (torch.randn(2, 3, 8, 8),))
+    assert capfd.readouterr().err == "the model's own line\n" * 2  # warm-up step and measured step

@@ -73,7 +73,7 @@ def _measured(target, args: tuple, kwargs: tuple, threads: int) -> tuple[int, in
     with _torch_private.unset_fake_mode():
         real_args, real_kwargs = [_real(a) for a in args], {k: _real(v) for k, v in kwargs}
         try:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            with _torch_private.allocation_profile() as prof:
                 outputs = target(*real_args, **real_kwargs)  # held until the profile ends: `live` counts them
         except Exception:  # noqa: BLE001  the call the graph makes could not be replayed: not measured
             return 0, 0
