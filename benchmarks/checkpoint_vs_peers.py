@@ -14,8 +14,9 @@ Peak = the allocator's live bytes during one step (`fxopt.measure.measure_alloca
 warm-up step; parameter gradients exist before it), as a ratio of eager's. Step time = median of
 interleaved rounds (every variant once per round) of the calling thread's CPU time
 (`time.thread_time()`, with `torch.set_num_threads(1)`, so other processes' load on a shared
-machine does not inflate it), as a ratio of eager's. optimize() = wall time of fxopt.optimize.
-Peaks are deterministic.
+machine does not inflate it), as a ratio of eager's. optimize() = wall time of fxopt.optimize (load on
+the machine inflates it); in steps = its thread CPU time over eager's median step, the same clock, so
+the cost of planning in training steps (issue #12: at most ~10). Peaks are deterministic.
 
     python benchmarks/checkpoint_vs_peers.py [--models bert,gpt2] [--rounds 3] [--compile]
 """
@@ -90,7 +91,7 @@ def _timed(forward, module, x) -> float:
 def run_model(name, factory, x, blocks_path, rounds, with_compile):
     torch.manual_seed(0)
     base = LastHiddenState(factory()).train()
-    variants, optimize_s = {"eager": (base, base)}, {}
+    variants, optimize_s, optimize_cpu_s = {"eager": (base, base)}, {}, {}
     hf_model = None
     if getattr(base.model, "supports_gradient_checkpointing", False):
         hf_model = copy.deepcopy(base)
@@ -103,11 +104,11 @@ def run_model(name, factory, x, blocks_path, rounds, with_compile):
     if "HF GC" in peaks:
         budgets["fxopt @HF"] = f"{int(peaks['HF GC'])}B"
     for label, budget in budgets.items():
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt = fxopt.optimize(base, (x,), mode="training", memory_budget=budget)
-        optimize_s[label] = time.perf_counter() - start
+        optimize_s[label], optimize_cpu_s[label] = time.perf_counter() - start, time.thread_time() - start_cpu
         missed = [str(w.message) for w in caught if "NOT met" in str(w.message)]
         if missed:
             print(f"  {name} {label}: {missed[0]}")
@@ -124,8 +125,12 @@ def run_model(name, factory, x, blocks_path, rounds, with_compile):
             times[k].append(_timed(f, m, x))
     eager_t, eager_p = statistics.median(times["eager"]), peaks["eager"]
     return [[name, k, f"{peaks[k] / eager_p:.2f}x", f"{peaks[k] / 1e6:.1f}",
-             f"{statistics.median(times[k]) / eager_t:.2f}x", f"{optimize_s[k]:.1f}" if k in optimize_s else ""]
+             f"{statistics.median(times[k]) / eager_t:.2f}x"]
+            + ([f"{optimize_s[k]:.1f}", f"{optimize_cpu_s[k] / eager_t:.1f}"] if k in optimize_s else [])
             for k in variants]
+
+
+HEADERS = ["model", "variant", "peak", "peak MB", "step time", "optimize() s", "in steps"]
 
 
 def main():
@@ -140,10 +145,9 @@ def main():
     for name in args.models.split(","):
         factory, x, blocks = models[name]
         rows += run_model(name, factory, x, blocks, args.rounds, args.compile)
-        print(tabulate(rows[-7:], headers=["model", "variant", "peak", "peak MB", "step time", "optimize() s"]),
-              flush=True)
+        print(tabulate(rows[-7:], headers=HEADERS), flush=True)
     print()
-    print(tabulate(rows, headers=["model", "variant", "peak", "peak MB", "step time", "optimize() s"]))
+    print(tabulate(rows, headers=HEADERS))
 
 
 if __name__ == "__main__":
