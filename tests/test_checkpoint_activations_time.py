@@ -13,6 +13,7 @@ from fxopt.analysis.op_times import node_seconds, replay_key
 from fxopt.measure import measure_allocator_peak
 
 from graph_forms import exported_graph
+from named_regions import extract_regions, named_regions
 from test_checkpoint_activations import deep_mlp
 
 
@@ -83,22 +84,15 @@ def test_a_met_budget_is_not_reported_unreachable():
 @pytest.mark.parametrize("replay_dropout", [True, False], ids=["masks_kept", "drawn_again"])
 def test_predicted_peak_of_a_plan_from_the_first_op(replay_dropout):
     """A plan whose first region starts at the first linear (the planner may pick it) is predicted within 10%."""
-    from fxopt.analysis.memory import Region, estimate, step_profile
-    from fxopt.passes._checkpoint_region import extract_region
+    from fxopt.analysis.memory import estimate, step_profile
 
     torch.manual_seed(0)
     model, x = deep_mlp(depth=8, width=128), torch.randn(128, 128)
     opt = fxopt.optimize(model, (x,), mode="training", passes=[])
-    gm = opt.graph_module
-    profile = step_profile(gm)
-    names = [s.node.name for s in profile.steps]
-    regions = [Region(names.index(first), names.index(last) + 1, replay_dropout=replay_dropout)
-               for first, last in (("linear", "dropout_2"), ("linear_3", "gelu_5"))]
+    profile = step_profile(opt.graph_module)
+    regions = named_regions(profile, (("linear", "dropout_2"), ("linear_3", "gelu_5")), replay_dropout=replay_dropout)
     predicted = estimate(profile, regions).peak  # dropout_2's backward: its noise and mask were counted twice
-    for r in regions:
-        nodes = [s.node for s in profile.steps[r.start:r.stop]]
-        extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", False, replay_dropout)
-    gm.recompile()
+    extract_regions(opt.graph_module, profile, regions)
     assert predicted == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.1)
 
 

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import fxopt
-from fxopt.analysis.memory import Region, estimate, step_profile
+from fxopt.analysis.memory import estimate, step_profile
 from fxopt.analysis.saved_tensors import saved_bytes, saved_copies
 from fxopt.measure import measure_allocator_peak, measure_peak
-from fxopt.passes._checkpoint_region import extract_region
+
+from named_regions import extract_regions, named_regions
 
 
 class Attention(torch.nn.Module):
@@ -82,15 +83,10 @@ def test_selective_regions_over_whole_layers_do_not_cache_the_copies():
 def _predicted_and_measured_forward_peak(bounds) -> tuple[int, int]:
     """Selective regions (first node, last node) on three attention layers: estimated and measured forward peak."""
     opt, x = _graph(depth=3)
-    gm = opt.graph_module
-    profile = step_profile(gm)
-    names = [s.node.name for s in profile.steps]
-    regions = [Region(names.index(first), names.index(last) + 1, save_counted=True) for first, last in bounds]
+    profile = step_profile(opt.graph_module)
+    regions = named_regions(profile, bounds, save_counted=True)
     predicted = estimate(profile, regions).forward_peak
-    for r in regions:
-        nodes = [s.node for s in profile.steps[r.start:r.stop]]
-        extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", True)
-    gm.recompile()
+    extract_regions(opt.graph_module, profile, regions)
     return predicted, measure_peak(lambda: opt(x), opt, (x,))
 
 
@@ -134,13 +130,8 @@ def test_selective_regions_drop_their_cached_outputs_while_recomputing(bounds):
     torch.manual_seed(0)
     model, x = torch.nn.Sequential(*[Attention() for _ in range(3)], _MeanSquare()).train(), torch.randn(4, 64, 256)
     opt = fxopt.optimize(model, (x,), mode="training", passes=[])
-    gm = opt.graph_module
-    profile = step_profile(gm)
-    names = [s.node.name for s in profile.steps]
-    regions = [Region(names.index(first), names.index(last) + 1, save_counted=True) for first, last in bounds]
+    profile = step_profile(opt.graph_module)
+    regions = named_regions(profile, bounds, save_counted=True)
     predicted = estimate(profile, regions).peak
-    for r in regions:
-        nodes = [s.node for s in profile.steps[r.start:r.stop]]
-        extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", True)
-    gm.recompile()
+    extract_regions(opt.graph_module, profile, regions)
     assert predicted == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.1)

@@ -7,10 +7,10 @@ import torch
 
 import fxopt
 from fxopt._torch_private import profiler_allocations
-from fxopt.analysis.memory import Region, estimate, step_profile
+from fxopt.analysis.memory import estimate, step_profile
 from fxopt.measure import measure_allocator_peak
-from fxopt.passes._checkpoint_region import extract_region
 
+from named_regions import extract_regions, named_regions
 from test_memory_attention import _ResidualMLP
 
 
@@ -26,15 +26,10 @@ def test_regions_over_mlp_blocks_predicted_to_one_percent(bounds):
     """Whole regions over residual MLP blocks: the predicted step peak is the allocator's within 1% (a temporary the
     size of each op's output in a region's backward over-predicted it by 2.6-4.7%)."""
     opt, x = _mlp_blocks()
-    gm = opt.graph_module
-    profile = step_profile(gm)
-    names = [s.node.name for s in profile.steps]
-    regions = [Region(names.index(first), names.index(last) + 1) for first, last in bounds]
+    profile = step_profile(opt.graph_module)
+    regions = named_regions(profile, bounds)
     predicted = estimate(profile, regions).peak
-    for r in regions:
-        nodes = [s.node for s in profile.steps[r.start:r.stop]]
-        extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", False)
-    gm.recompile()
+    extract_regions(opt.graph_module, profile, regions)
     assert predicted == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.01)
 
 

@@ -1,0 +1,23 @@
+"""Checkpoint regions named by their first and last node, estimated by the memory model and extracted into the
+graph, as checkpoint_activations would: for tests that compare a chosen plan's prediction with measurement."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fxopt.analysis.memory import Region, StepProfile
+from fxopt.passes._checkpoint_region import extract_region
+
+
+def named_regions(profile: StepProfile, bounds, **kind) -> list[Region]:
+    """One Region per (first node name, last node name) in `bounds`, of the `kind` given (save_counted, ...)."""
+    names = [s.node.name for s in profile.steps]
+    return [Region(names.index(first), names.index(last) + 1, **kind) for first, last in bounds]
+
+
+def extract_regions(gm: fx.GraphModule, profile: StepProfile, regions: list[Region]) -> None:
+    """Move each region's nodes into a CheckpointedRegion of `gm`, named as checkpoint_activations names them."""
+    for r in regions:
+        nodes = [s.node for s in profile.steps[r.start:r.stop]]
+        extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", r.save_counted,
+                       r.replay_dropout)
+    gm.recompile()
