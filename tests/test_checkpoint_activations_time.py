@@ -38,7 +38,8 @@ def test_timing_leaves_no_trace():
 
 
 def test_region_overhead_is_measured_once():
-    """The per-region overhead is measured (positive, a selective region's per-op cost above a whole one's) and cached."""
+    """The per-region overhead is measured (positive, a selective region's per-op cost above a whole one's) and
+    cached."""
     from fxopt.analysis.region_overhead import region_overhead
 
     first = region_overhead("cpu")
