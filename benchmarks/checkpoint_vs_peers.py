@@ -17,16 +17,21 @@ Peak = the allocator's live bytes during one step (`fxopt.measure.measure_alloca
 warm-up step; parameter gradients exist before it), as a ratio of eager's. Step time = median of
 interleaved rounds (every variant once per round) of the calling thread's CPU time
 (`time.thread_time()`, with `torch.set_num_threads(1)`, so other processes' load on a shared
-machine does not inflate it), as a ratio of eager's. optimize() = wall time of fxopt.optimize (load on
+machine does not inflate it), as a ratio of eager's. With glibc's default malloc the clock
+also counts the page faults of memory the heap gave back to the OS and takes again (HF MobileNetV2,
+batch 4: ~50,000 minor faults per eager step, a third of its time, and fewer under checkpointing,
+whose peak is lower); --steady-heap keeps freed memory in the heap (mallopt: no mmap for large blocks,
+no trimming), as jemalloc or tcmalloc would, so the ratio compares compute alone. optimize() = wall time of fxopt.optimize (load on
 the machine inflates it); in steps = its thread CPU time over eager's median step, the same clock, so
 the cost of planning in training steps (issue #12: at most ~10). Peaks are deterministic.
 
-    python benchmarks/checkpoint_vs_peers.py [--models bert,gpt2] [--rounds 3] [--compile]
+    python benchmarks/checkpoint_vs_peers.py [--models bert,gpt2] [--rounds 3] [--compile] [--steady-heap]
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import os
 import statistics
 import sys
@@ -134,6 +139,15 @@ def run_model(name, factory, x, blocks_path, rounds, with_compile):
             for k in variants]
 
 
+def _steady_heap() -> None:
+    """Make glibc's malloc keep what is freed: large blocks from the heap instead of mmap, and the heap's top
+    never given back, so that steady-state steps take no page faults."""
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not (libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30)):
+        raise SystemExit("--steady-heap: glibc's mallopt refused the settings")
+
+
 HEADERS = ["model", "variant", "peak", "peak MB", "step time", "optimize() s", "in steps"]
 
 
@@ -142,7 +156,10 @@ def main():
     parser.add_argument("--models", default="bert,gpt2,vit,convnext_t,resnet50,mobilenet_v2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--steady-heap", action="store_true", help="no page faults from malloc (module docstring)")
     args = parser.parse_args()
+    if args.steady_heap:
+        _steady_heap()
     torch.set_num_threads(1)
     models = _models()
     rows = []
