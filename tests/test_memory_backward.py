@@ -126,3 +126,19 @@ def test_backward_temporaries_of_pow_and_broadcast_mul(tail):
     model, x = torch.nn.Sequential(*layers, _MeanSquare()).train(), torch.randn(4, 64, 256)
     profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module)
     assert estimate(profile).peak == pytest.approx(measure_allocator_peak(model, (x,)), rel=0.01)
+
+
+@pytest.mark.parametrize("layers", ["conv", "linear"])
+def test_batch_norm_backward_allocates_its_input_gradient_twice(layers):
+    """ATen's CPU batch norm backward allocates its input's gradient twice, freeing the first on return: counted, the
+    predicted step peak of a network whose peak lies there is the allocator's within 1% (without it 23-24% under)."""
+    torch.manual_seed(0)
+    if layers == "conv":
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.BatchNorm2d(64),
+                                    torch.nn.Conv2d(64, 4, 1))
+        x = torch.randn(4, 3, 32, 32)
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.BatchNorm1d(1024), torch.nn.Linear(1024, 16))
+        x = torch.randn(256, 256)
+    profile = step_profile(fxopt.optimize(model.train(), (x,), mode="training", passes=[]).graph_module)
+    assert estimate(profile).peak == pytest.approx(measure_allocator_peak(model, (x,)), rel=0.01)

@@ -16,7 +16,7 @@ live anyway and cost nothing (as in `fxopt.measure`).
   reads (`grad_live`: made before they accumulate into `.grad`), plus what a convolution's backward
   allocates beyond those gradients (`Step.backward_scratch`, fxopt.analysis.conv_scratch: oneDNN's own
   copies of the gradients, reorders, partial sums; fxopt.analysis.backward_temporaries: pow's and a
-  broadcast mul's products);
+  broadcast mul's products, a CPU batch norm's first input gradient);
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
   on top of what is kept, while its backward starts, and each is freed after the backward of its
   first holder, as the gradients inside the region come and go (and a convolution's scratch, as
@@ -245,7 +245,8 @@ class StepProfile:
         steps save (and the last step's output on the way), a selective region's cached outputs among them
         (`_cached_outputs`); each is freed after the backward of its
         first holder, while the gradients at each step are alive, with a convolution's scratch
-        (fxopt.analysis.conv_scratch) or pow's and broadcast mul's temporaries (fxopt.analysis.backward_temporaries).
+        (fxopt.analysis.conv_scratch) or the temporaries of pow, broadcast mul and batch norm
+        (fxopt.analysis.backward_temporaries).
         No other temporary: ATen's backward kernels of linear, matmul, GELU,
         softmax, layer norm, dropout and add allocate the gradients they return and nothing else
         (profiler_allocations, each run alone; a layer norm's per-row partial sums, under 1% of its output,
