@@ -1,5 +1,6 @@
 """What a backward holds beyond gradients in the memory model: a convolution's scratch, the temporaries of pow and
-broadcast mul (fxopt.analysis.backward_temporaries), and nothing else."""
+broadcast mul (fxopt.analysis.backward_temporaries), what a checkpointed region keeps besides tensors, and nothing
+else."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 import fxopt
 from fxopt._torch_private import profiler_allocations
-from fxopt.analysis.memory import estimate, step_profile
+from fxopt.analysis.memory import Region, estimate, step_profile
 from fxopt.measure import measure_allocator_peak
 
 from named_regions import extract_regions, named_regions
@@ -31,6 +32,28 @@ def test_regions_over_mlp_blocks_predicted_to_one_percent(bounds):
     predicted = estimate(profile, regions).peak
     extract_regions(opt.graph_module, profile, regions)
     assert predicted == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.01)
+
+
+def _conv_bn_relu_blocks():
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1, bias=False), torch.nn.BatchNorm2d(64),
+                                  torch.nn.ReLU()) for _ in range(4)]
+    model, x = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 1), *blocks).train(), torch.randn(2, 3, 16, 16)
+    return fxopt.optimize(model, (x,), mode="training", passes=[]), x
+
+
+@pytest.mark.parametrize("save_counted", [False, True], ids=["whole", "selective"])
+def test_regions_over_batch_norm_blocks_predicted_exactly(save_counted):
+    """A region over each Conv-BN-ReLU block keeps, until its backward ends, the checkpoint's copy of the RNG state
+    and its BatchNorm's copies of the running statistics: counted, the predicted step peak is the allocator's but
+    for the loss and its gradient, two scalars outside the graph (without them 22 KB under)."""
+    opt, x = _conv_bn_relu_blocks()
+    profile = step_profile(opt.graph_module)
+    convs = [p for p, s in enumerate(profile.steps) if s.node.name.startswith("conv2d")][1:]
+    regions = [Region(start, stop, save_counted) for start, stop in zip(convs, [*convs[1:], len(profile.steps)])]
+    predicted = estimate(profile, regions).peak
+    extract_regions(opt.graph_module, profile, regions)
+    assert 0 <= measure_allocator_peak(opt, (x,)) - predicted <= 8
 
 
 def _backward_beyond_gradients(op, *inputs) -> int:
@@ -93,4 +116,20 @@ def test_backward_temporaries_of_pow_and_broadcast_mul(tail):
     layers += [] if tail == "mean_square" else [torch.nn.Linear(1024, 16)]
     model, x = torch.nn.Sequential(*layers, _MeanSquare()).train(), torch.randn(4, 64, 256)
     profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module)
+    assert estimate(profile).peak == pytest.approx(measure_allocator_peak(model, (x,)), rel=0.01)
+
+
+@pytest.mark.parametrize("layers", ["conv", "linear"])
+def test_batch_norm_backward_allocates_its_input_gradient_twice(layers):
+    """ATen's CPU batch norm backward allocates its input's gradient twice, freeing the first on return: counted, the
+    predicted step peak of a network whose peak lies there is the allocator's within 1% (without it 23-24% under)."""
+    torch.manual_seed(0)
+    if layers == "conv":
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.BatchNorm2d(64),
+                                    torch.nn.Conv2d(64, 4, 1))
+        x = torch.randn(4, 3, 32, 32)
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.BatchNorm1d(1024), torch.nn.Linear(1024, 16))
+        x = torch.randn(256, 256)
+    profile = step_profile(fxopt.optimize(model.train(), (x,), mode="training", passes=[]).graph_module)
     assert estimate(profile).peak == pytest.approx(measure_allocator_peak(model, (x,)), rel=0.01)

@@ -95,6 +95,11 @@ CASES = {
     # nn.BatchNorm2d's forward branches on the input's rank, which torch.fx cannot trace: its call
     "batch_norm": (unary(lambda m, x: F.batch_norm(x, m[0].running_mean, m[0].running_var, m[0].weight, m[0].bias,
                                                    True), nn.BatchNorm2d(3)), IMAGE + _square()),
+    "batch_norm (eval)": (unary(lambda m, x: F.batch_norm(x, m[0].running_mean, m[0].running_var, m[0].weight,
+                                                          m[0].bias, False), nn.BatchNorm2d(3)), IMAGE + _square()),
+    "batch_norm (float64)": (unary(lambda m, x: F.batch_norm(x, m[0].running_mean, m[0].running_var, m[0].weight,
+                                                             m[0].bias, True), nn.BatchNorm2d(3).double()),
+                             (IMAGE[0].double(),) + _square()),
     "layer_norm": (unary(lambda m, x: m[0](x), nn.LayerNorm(6)), _square() + _square()),
     "max_pool2d": (unary(lambda m, x: F.max_pool2d(x, 2)), IMAGE + _square()),
     "avg_pool2d": (unary(lambda m, x: m[0](x), nn.AvgPool2d(2)), IMAGE + _square()),
@@ -116,9 +121,6 @@ CASES = {
     "views": (unary(lambda m, x: x.view(6, 4).t().flatten().reshape(4, 6)[1:].transpose(0, 1)), _square() + _square()),
     "clone/contiguous": (unary(lambda m, x: x.t().contiguous().clone()), _square() + _square()),
 }
-# What autograd keeps beyond graph nodes (masks, indices, copies, batch statistics): bytes are
-# compared exactly only for ops whose extras the table models; batch norm keeps per-channel stats.
-_APPROXIMATE_BYTES = {"batch_norm"}
 # Ops whose kernel, and so what autograd keeps, depends on shapes and backend (attention: the math
 # path keeps internals, flash kernels keep query, key, value and output): the table names a superset.
 _KERNEL_DEPENDENT = {"scaled_dot_product_attention"}
@@ -169,7 +171,7 @@ def _assert_table_matches_autograd(gm: fx.GraphModule, inputs: tuple, check_byte
             assert actual <= expected - constants, f"{node.name}: autograd keeps {actual}, table says {expected}"
             continue
         assert actual == expected - constants, f"{node.name}: autograd keeps {actual}, table says {expected}"
-        if check_bytes and op_name(node) not in _APPROXIMATE_BYTES:
+        if check_bytes:
             sizes = {_storage(t): t.untyped_storage().nbytes() for t in packed}  # each storage once
             extra = sum(n for key, n in sizes.items() if key not in node_storages | constants)
             mine = sum(n for key, n in sizes.items() if key in actual)

@@ -11,6 +11,10 @@ torch's derivatives.yaml do, and both sit where models keep their losses and lay
   per-channel gain): its gradient `(grad * other).sum_to_size(...)` first makes the full product,
   one tensor the size of the output, then reduces it.
 
+And one kernel: ATen's CPU batch norm backward (batch_norm_backward_cpu_template) allocates its input's
+gradient twice, for any layout and again in its contiguous path, and frees the first on return: one
+tensor the size of the input, in train and eval mode alike.
+
 A convolution's scratch is fxopt.analysis.conv_scratch's; everything else: 0.
 """
 from __future__ import annotations
@@ -30,12 +34,13 @@ def _nbytes(node) -> int:
 def backward_temporary(node: fx.Node, requires_grad) -> int:
     """Bytes `node`'s backward holds beyond its gradients (module docstring); `requires_grad`: the nodes
     whose values need a gradient."""
-    name, args = op_name(node), node.args
+    name, args, out = op_name(node), node.args, tensor_meta(node)
     if name == "pow" and len(args) == 2 and isinstance(args[0], fx.Node) and isinstance(args[1], (int, float)):
         return 2 * _nbytes(args[0]) if args[0] in requires_grad and args[1] != 0 else 0
     if name == "mul" and len(args) == 2 and all(isinstance(a, fx.Node) for a in args):
-        out = tensor_meta(node)
         broadcast = [a for a in args if a in requires_grad and tensor_meta(a) is not None
                      and out is not None and tensor_meta(a).shape != out.shape]
         return _nbytes(node) * len(broadcast)
+    if name == "batch_norm" and args and args[0] in requires_grad and out is not None and out.device.type == "cpu":
+        return _nbytes(args[0])
     return 0

@@ -16,13 +16,18 @@ live anyway and cost nothing (as in `fxopt.measure`).
   reads (`grad_live`: made before they accumulate into `.grad`), plus what a convolution's backward
   allocates beyond those gradients (`Step.backward_scratch`, fxopt.analysis.conv_scratch: oneDNN's own
   copies of the gradients, reorders, partial sums; fxopt.analysis.backward_temporaries: pow's and a
-  broadcast mul's products);
+  broadcast mul's products, a CPU batch norm's first input gradient);
 * the backward of a region first recomputes it: everything its nodes save is alive at once,
   on top of what is kept, while its backward starts, and each is freed after the backward of its
   first holder, as the gradients inside the region come and go (and a convolution's scratch, as
   outside regions; a selective region's cached outputs are dropped as the recomputation takes them);
   a region may keep the masks of its
   dropouts and replay them (`Region.replay_dropout`, fxopt.analysis.dropout_replay);
+* from its forward to the end of its backward a region also keeps its checkpoint's state: on CPU, a copy of
+  the RNG state (`preserve_rng_state`; the second copy torch.random.fork_rng holds while it recomputes is
+  freed before the gradients of its last step's backward, which the model already counts then, exist), and
+  a copy of the running statistics of each train-mode BatchNorm in it
+  (fxopt.passes._checkpoint_region.batch_norm_once);
 * the forward at p holds the kept tensors made so far and the tensors still to be read.
 
 The peak of the step is the largest of these. `segment_effect` is the one step of this
@@ -48,12 +53,13 @@ from .flops import node_flops
 from .grad_needs import analyze_grad_needs
 from .op_times import node_seconds, replay_key
 from .region_overhead import RegionOverhead, region_overhead
-from .ops import match_conv, resolve
-from .saved_tensors import saved_bytes, saved_copies, saved_for_backward
+from .ops import match_batch_norm, match_conv, resolve
+from .saved_tensors import saved_bytes, saved_copies, saved_for_backward, tensor_bytes
 from .shapes import tensor_meta
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
 COPY = "copy"  # the key (COPY, node name): the copies of its inputs a node saves (saved_tensors.saved_copies)
+STATE = "checkpoint_state"  # the key (STATE, start, stop): what the region over [start, stop) keeps besides tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +78,8 @@ class Step:
     outputs: frozenset = frozenset()  # the storages of its output value it creates (creates less private buffers)
     backward_scratch: int | None = None  # what its backward allocates beyond its gradients, if known (a convolution's
     # scratch; fxopt.analysis.backward_temporaries for other ops)
+    region_state: int = 0  # what a region holding it keeps from its forward to its backward's end: a train-mode
+    # BatchNorm's copies of its running statistics (batch_norm_once)
 
     @property
     def replay_saving(self) -> int:
@@ -112,6 +120,7 @@ class StepProfile:
     last_read: dict  # Key -> position of its last reader (len(steps) for graph outputs)
     grad_live: list[int]  # bytes of gradients alive during the backward of each position
     overhead: RegionOverhead | None = None  # what regions cost beyond their ops (timed profiles only)
+    rng_state: int = 0  # bytes of the RNG state a region's checkpoint copies where the step's memory is (0 off CPU)
 
     @property
     def timed(self) -> bool:
@@ -122,8 +131,18 @@ class StepProfile:
         return sum(self.nbytes[k] for k in keys)
 
     def region_keeps(self, r: Region) -> frozenset:
-        """What a region keeps for backward: its inputs and, if selective, its counted ops' outputs."""
+        """What a region keeps for backward: its inputs, its checkpoint's state (`region_state`) and, if selective,
+        its counted ops' outputs."""
         return self._region_sets(r)[0]
+
+    def region_state(self, r: Region) -> frozenset:
+        """The key of what the region's checkpoint keeps besides tensors from its forward to its backward's end:
+        the RNG state and its BatchNorms' statistics (none when that is nothing)."""
+        key = (STATE, r.start, r.stop)
+        if key not in self.nbytes:
+            self.nbytes[key] = self.rng_state + sum(s.region_state for s in self.steps[r.start:r.stop])
+            self.last_read[key] = r.start
+        return frozenset({key}) if self.nbytes[key] else frozenset()
 
     def region_recomputes(self, r: Region) -> frozenset:
         """What the region's recomputation makes alive again: everything its steps save."""
@@ -135,7 +154,7 @@ class StepProfile:
     def _region_sets(self, r: Region) -> tuple[frozenset, frozenset, int]:
         if r not in self._regions:
             inputs, counted, masks, recomputes, recomputed_bytes = self._span_sets(r.start, r.stop)
-            keeps = inputs
+            keeps = inputs | self.region_state(r)
             if r.save_counted and counted:
                 keeps = keeps | counted
             if r.replay_dropout and masks:
@@ -226,7 +245,8 @@ class StepProfile:
         steps save (and the last step's output on the way), a selective region's cached outputs among them
         (`_cached_outputs`); each is freed after the backward of its
         first holder, while the gradients at each step are alive, with a convolution's scratch
-        (fxopt.analysis.conv_scratch) or pow's and broadcast mul's temporaries (fxopt.analysis.backward_temporaries).
+        (fxopt.analysis.conv_scratch) or the temporaries of pow, broadcast mul and batch norm
+        (fxopt.analysis.backward_temporaries).
         No other temporary: ATen's backward kernels of linear, matmul, GELU,
         softmax, layer norm, dropout and add allocate the gradients they return and nothing else
         (profiler_allocations, each run alone; a layer norm's per-row partial sums, under 1% of its output,
@@ -248,7 +268,7 @@ class StepProfile:
     def repriced(self, steps: list[Step]) -> StepProfile:
         """The same memory profile with `steps` priced otherwise (no region overhead): it shares the
         memory caches, which do not depend on prices."""
-        other = StepProfile(steps, self.nbytes, self.last_read, self.grad_live)
+        other = StepProfile(steps, self.nbytes, self.last_read, self.grad_live, rng_state=self.rng_state)
         other._regions, other._deltas, other._spans = self._regions, self._deltas, self._spans
         return other
 
@@ -300,8 +320,9 @@ def estimate(profile: StepProfile, regions: Sequence[Region] = ()) -> Estimate:
         kept_keys |= profile.steps[seg].saved if isinstance(seg, int) else profile.region_keeps(seg)
         held, kept, backward_peak = effect.held, effect.kept_bytes, max(backward_peak, effect.peak)
     forward_peak, live = 0, set()
+    states = {r.start: profile.region_state(r) for r in regions}  # made as each region's forward begins
     for p, step in enumerate(profile.steps):
-        live |= step.creates
+        live |= step.creates | states.get(p, frozenset())
         forward_peak = max(forward_peak, profile.bytes_of(live))
         live = {k for k in live if k in kept_keys or profile.last_read[k] > p}
     flops = sum(profile.region_flops(r) for r in regions)
@@ -355,7 +376,8 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
                           flops.get(node.name, 0), flops.get(node.name, 0) > 0,
                           seconds.get(node.name, 0.0) if timed else None, mask,
                           seconds.get(replay_key(node.name), 0.0) if timed and mask else None, outputs,
-                          _backward_scratch(node, grad_needs) if node in needs_grad else None))
+                          _backward_scratch(node, grad_needs) if node in needs_grad else None,
+                          _running_statistics_copies(node)))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -368,7 +390,16 @@ def step_profile(gm: fx.GraphModule, timed: bool = False) -> StepProfile | None:
     trainable = frozenset(grad_needs.params_needing_grad)
     grads = [g + _parameter_gradient_bytes(node, gm, trainable) for g, node in zip(grads, calls)]
     overhead = region_overhead(_device(gm)) if seconds is not None else None
-    return StepProfile(steps, nbytes, last_read, grads, overhead)
+    rng_state = torch.get_rng_state().untyped_storage().nbytes() if _device(gm).type == "cpu" else 0
+    return StepProfile(steps, nbytes, last_read, grads, overhead, rng_state)
+
+
+def _running_statistics_copies(node: fx.Node) -> int:
+    """Bytes of the copies of its running statistics a train-mode BatchNorm makes in a region (batch_norm_once)."""
+    bn = match_batch_norm(node)
+    if bn is None or bn.training is False or bn.running_mean is None:
+        return 0
+    return sum(tensor_bytes(stat) for stat in (bn.running_mean, bn.running_var))
 
 
 def _backward_scratch(node: fx.Node, grad_needs) -> int | None:

@@ -28,6 +28,7 @@ import torch.fx as fx
 from .. import _torch_private
 from ..graph_functions import declared
 from ..op_names import op_name
+from .ops import match_batch_norm
 from .shapes import tensor_meta
 
 # Which tensor inputs a backward keeps: none, the first, all, or (products) each operand for the
@@ -80,6 +81,17 @@ def _layer_norm_statistics(node: fx.Node) -> int:
     return 2 * (out.numel() // row) * max(4, out.element_size())
 
 
+def _batch_norm_statistics(node: fx.Node) -> int:
+    """Train-mode batch norm also keeps the batch's mean and inverse standard deviation (ATen's save_mean and
+    save_invstd): one of each per channel, in its parameters' dtype (float32 for a bfloat16 input with float32
+    parameters); in eval mode they are empty. A form match_batch_norm does not know counts as train mode."""
+    out, bn = tensor_meta(node), match_batch_norm(node)
+    if out is None or out.dim() < 2 or not isinstance(out.shape[1], int) or (bn is not None and bn.training is False):
+        return 0
+    params = [tensor_meta(a) for a in (bn.weight, bn.running_mean) if isinstance(a, fx.Node)] if bn is not None else []
+    return 2 * out.shape[1] * max([out.element_size()] + [p.element_size() for p in params if p is not None])
+
+
 def _exponent_is_tensor(node: fx.Node) -> bool:
     """pow keeps its result only for a tensor exponent (x ** 3 keeps x alone)."""
     exponent = node.args[1] if len(node.args) > 1 else node.kwargs.get("exponent")
@@ -114,8 +126,10 @@ _TABLE: dict[str, _Rule] = {
     # products and layers keep their operands (weights, running statistics: parameters and buffers)
     **dict.fromkeys(["mul", "div", "truediv"], _Rule(inputs=OPERANDS)),
     **dict.fromkeys(["matmul", "mm", "bmm", "addmm", "linear", "conv1d", "conv2d", "convolution",
-                     "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "batch_norm",
+                     "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
                      "group_norm", "instance_norm", "embedding", "gather", "index"], _KEEPS_ALL_INPUTS),
+    # batch norm keeps its operands and, in train mode, each channel's statistics
+    "batch_norm": _Rule(inputs=ALL, extra=_batch_norm_statistics),
     # layer norm keeps its operands and each row's statistics
     "layer_norm": _Rule(inputs=ALL, extra=_layer_norm_statistics),
     # attention keeps query, key, value and its output (plus the log-sum-exp of each row)

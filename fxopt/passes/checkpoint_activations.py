@@ -135,6 +135,12 @@ def _frees(profile: StepProfile, region: Region) -> int:
     return profile.region_recompute_bytes(region) - profile.bytes_of(profile.region_keeps(region))
 
 
+def _megabytes(n: int) -> str:
+    """Bytes in MB, two decimals, or two significant digits below 0.01 MB: a small region may free only a few KB
+    once its checkpoint's own state (fxopt.analysis.memory) is paid for."""
+    return f"{n / 1e6:.2f} MB" if abs(n) >= 1e4 else f"{n / 1e6:.2g} MB"
+
+
 def _why_unreachable(result: PassResult) -> str:
     """One line on what keeps the step above the budget."""
     refusals = {k.removeprefix("refused_"): n for k, n in result.stats.items() if k.startswith("refused_")}
@@ -253,7 +259,7 @@ class CheckpointActivations(Pass):
             if profile.has_replayable_dropout(region):
                 kind_text += ", dropout masks kept" if region.replay_dropout else ", dropout drawn again"
             result.record("checkpointed", call, detail=f"{len(nodes)} nodes {nodes[0].name}..{nodes[-1].name}, "
-                                                       f"{kind_text}, frees {_frees(profile, region) / 1e6:.2f} MB, "
+                                                       f"{kind_text}, frees {_megabytes(_frees(profile, region))}, "
                                                        f"recomputes {profile.region_flops(region)} FLOPs")
             names.append(name)
             shapes_kept = shapes_kept and "val" in call.meta
