@@ -31,17 +31,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from ..analysis.memory import Region, StepProfile, estimate, segment_effect
+from ..analysis.memory import Region, StepProfile, estimate
 
 
 MAX_LABELS = 48  # bands of bytes kept per position and held tensors: bounds the search at a small loss of optimality
 MAX_BOUNDARIES = 48  # region starts/stops considered: the search grows with their square, not the depth's
 
 
-@dataclasses.dataclass(frozen=True)
-class _Label:
+class _Label(NamedTuple):  # a tuple: the search makes one per label and segment
     kept: int
     cost: int
     peak: int
@@ -56,7 +57,7 @@ def _prune(labels: list[_Label], objective: str, most_kept: float) -> list[_Labe
     where many plans keep similar bytes: on small MLPs and transformer blocks, 12 labels so spread found
     plans 41% costlier than the optimum on average, 48 so spread 3.0%, 48 by bytes 0.4%; on three
     transformer blocks at budgets 0.3-0.7, each band's best alone missed the optimum at 0.65 by 54%.)"""
-    key = (lambda l: (l.kept, l.cost, l.peak)) if objective == "cost" else (lambda l: (l.kept, l.peak, l.cost))
+    key = operator.itemgetter(0, 1, 2) if objective == "cost" else operator.itemgetter(0, 2, 1)  # kept, objective
     best, kept = None, []
     for label in sorted(labels, key=key):
         score = key(label)[1:]
@@ -124,9 +125,6 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
     variants_cache: dict[tuple[int, int], list[Region]] = {}
     floor = _backward_floor(profile)
 
-    def add(at: int, held: frozenset, label: _Label) -> None:
-        frontier[at].setdefault(held, []).append(label)
-
     def variants(start: int, stop: int) -> list[Region]:
         """The allowed regions [start, stop): whole, and selective where it has a matmul to keep; with
         dropouts, also whole with them drawn again (no mask kept: the least memory)."""
@@ -140,23 +138,34 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
             variants_cache[start, stop] = [r for r in tried if allowed(r)]
         return variants_cache[start, stop]
 
+    def extend(labels: list[_Label], held: frozenset, segment: Region | int, stop: int, cost: int) -> None:
+        """Every label followed by `segment` (ending at `stop`, costing `cost`) whose peak fits the budget. What a
+        segment adds depends on the tensors held only (segment_delta): read once for all labels under one key."""
+        added, above, still_read = profile.segment_delta(held, segment)
+        regions = (segment,) if isinstance(segment, Region) else ()
+        reached = []
+        for label in labels:  # as segment_effect: kept bytes grow by `added`, the segment peaks `above` them
+            kept = label.kept + added
+            if kept + above <= budget:
+                reached.append(_Label(kept, label.cost + cost, max(label.peak, kept + above), label.regions + regions))
+        if reached:
+            frontier[stop].setdefault(still_read, []).extend(reached)
+
     for i in range(n):
         stops = [b for b in boundaries if i < b <= refused_from[i]] if i in boundaries else []
         for held, labels in frontier[i].items():
+            labels = _prune(labels, objective, budget - floor[i])
+            if not labels:
+                continue
+            extend(labels, held, i, i + 1, 0)
             held_bytes = profile.bytes_of(held)
-            for label in _prune(labels, objective, budget - floor[i]):
-                effect = segment_effect(profile, held, label.kept, i)
-                if effect.peak <= budget:
-                    add(i + 1, effect.held, _Label(effect.kept_bytes, label.cost, max(label.peak, effect.peak),
-                                                   label.regions))
-                for stop in stops:
-                    if label.kept + profile.region_recompute_bytes(Region(i, stop)) - held_bytes > budget:
-                        break  # recomputing it alone would exceed the budget, and longer regions more
-                    for region in variants(i, stop):
-                        effect = segment_effect(profile, held, label.kept, region)
-                        if effect.peak <= budget:
-                            add(stop, effect.held, _Label(effect.kept_bytes, label.cost + profile.region_cost(region),
-                                                          max(label.peak, effect.peak), label.regions + (region,)))
+            for stop in stops:
+                room = budget + held_bytes - profile.region_recompute_bytes(Region(i, stop))
+                labels = [label for label in labels if label.kept <= room]  # the others: recomputing it alone
+                if not labels:  # would exceed the budget, and longer regions more
+                    break
+                for region in variants(i, stop):
+                    extend(labels, held, region, stop, profile.region_cost(region))
         frontier[i] = {}  # done with this position
     return _best_final([label for labels in frontier[n].values() for label in labels], profile, budget, objective)
 
@@ -170,7 +179,7 @@ def _best_final(finals: list[_Label], profile: StepProfile, budget: float, objec
     for label in sorted(finals, key=order):
         if best is not None and (label.cost > best.cost if objective == "cost" else label.peak > best.peak):
             break  # sorted: no later label can beat (or tie) the best
-        whole = dataclasses.replace(label, peak=estimate(profile, label.regions).peak)
+        whole = label._replace(peak=estimate(profile, label.regions).peak)
         if whole.peak <= budget and (best is None or order(whole) < order(best)):
             best = whole
     return None if best is None else best.regions
