@@ -9,7 +9,9 @@ one training step per variant:
   eager            the model as it is
   fxopt 0.5        fxopt.optimize(..., memory_budget=0.5)
   fxopt @HF        fxopt.optimize(..., memory_budget=<bytes HF's checkpointing peaks at>)
-  HF GC            model.gradient_checkpointing_enable() (where the model supports it)
+  HF GC            the library's checkpointing of every layer: model.activation_checkpointing_enable()
+                   (gradient_checkpointing_enable() before transformers 5.x), where the model supports it
+  HF GC/2          the same on every second layer (every_n_layers=2), where transformers offers it
   ckpt/block       torch.utils.checkpoint (non-reentrant) around each block of the model
   compile 0.5      torch.compile(backend="aot_eager") with activation_memory_budget=0.5 (--compile)
 
@@ -78,6 +80,18 @@ def _loss_step(forward, x):
     return (out.float() ** 2).mean()
 
 
+def _hf_checkpointing(base: torch.nn.Module, every_n_layers: int) -> torch.nn.Module:
+    """A copy with the library's own checkpointing (non-reentrant) on every `every_n_layers`-th layer; transformers
+    without `activation_checkpointing_enable` checkpoint every layer (gradient_checkpointing_enable)."""
+    model = copy.deepcopy(base)
+    if hasattr(model.model, "activation_checkpointing_enable"):
+        model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                                    every_n_layers=every_n_layers)
+    else:
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def _checkpoint_each_block(model: torch.nn.Module, blocks_path: str) -> torch.nn.Module:
     """A copy whose every block (children of `blocks_path`) runs under non-reentrant torch.utils.checkpoint."""
     model = copy.deepcopy(model)
@@ -101,11 +115,12 @@ def run_model(name, factory, x, blocks_path, rounds, with_compile):
     torch.manual_seed(0)
     base = LastHiddenState(factory()).train()
     variants, optimize_s, optimize_cpu_s = {"eager": (base, base)}, {}, {}
-    hf_model = None
     if getattr(base.model, "supports_gradient_checkpointing", False):
-        hf_model = copy.deepcopy(base)
-        hf_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        variants["HF GC"] = (hf_model, hf_model)
+        hf_every = _hf_checkpointing(base, every_n_layers=1)
+        variants["HF GC"] = (hf_every, hf_every)
+        if hasattr(base.model, "activation_checkpointing_enable"):
+            hf_half = _hf_checkpointing(base, every_n_layers=2)
+            variants["HF GC/2"] = (hf_half, hf_half)
     per_block = _checkpoint_each_block(base, blocks_path)
     variants["ckpt/block"] = (per_block, per_block)
     peaks = {k: _peak(f, m, x) for k, (f, m) in variants.items()}
@@ -165,8 +180,9 @@ def main():
     rows = []
     for name in args.models.split(","):
         factory, x, blocks = models[name]
-        rows += run_model(name, factory, x, blocks, args.rounds, args.compile)
-        print(tabulate(rows[-7:], headers=HEADERS), flush=True)
+        model_rows = run_model(name, factory, x, blocks, args.rounds, args.compile)
+        print(tabulate(model_rows, headers=HEADERS), flush=True)
+        rows += model_rows
     print()
     print(tabulate(rows, headers=HEADERS))
 
