@@ -8,7 +8,9 @@ counted, so the figure is the activation + temporary memory of the step, determi
 
 `measure_allocator_peak` reads the same figure from the allocator's own events
 (torch.profiler memory events): it also sees inside code compiled by torch.compile, where a
-dispatch mode sees only the eager ops around the compiled call.
+dispatch mode sees only the eager ops around the compiled call, and tensors made outside any op,
+which a dispatch mode misses: the copy of the CPU RNG state each non-reentrant checkpoint region
+keeps until its backward (`torch.get_rng_state()`, 5,056 bytes per region).
 
 These are measurements for tests, benchmarks and the CLI; passes use estimates (fxopt.analysis).
 """
