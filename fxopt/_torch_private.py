@@ -387,6 +387,16 @@ def allocation_profile():
             prof.__exit__(None, None, None)
 
 
+def allocation_peak(prof) -> tuple[int, int]:
+    """(the most bytes held at once, the bytes still held at the end) of what an `allocation_profile()` saw
+    allocated; memory allocated before it and freed during it counts negative."""
+    live = peak = 0
+    for _, _, nbytes in profiler_allocations(prof):
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live
+
+
 def profiler_allocations(prof) -> list[tuple[int, int, int]]:
     """(time in ns, address, +bytes allocated / -bytes freed) of every allocator event an
     `allocation_profile()` recorded, in time order."""

@@ -65,7 +65,7 @@ LAYERS = {  # (conv, input): the phases that hold the most differ
 def test_scratch_of_the_matched_call_matches_the_allocator(layer):
     """The scratch measured for the call built from the graph's convolution is exactly what the allocator sees
     autograd's `convolution_backward` hold beyond the gradients it returns."""
-    from fxopt._torch_private import profiler_allocations
+    from fxopt._torch_private import allocation_peak, allocation_profile
 
     conv, x = LAYERS[layer]
     node = next(n for n in exported_graph(conv, (x,)).graph.nodes if n.op == "call_function")
@@ -78,12 +78,9 @@ def test_scratch_of_the_matched_call_matches_the_allocator(layer):
                                                    conv.groups, [True, True, False])
 
     backward()  # oneDNN builds its primitives once
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with allocation_profile() as prof:
         grads = backward()
-    live = peak = 0
-    for _, _, nbytes in profiler_allocations(prof):
-        live += nbytes
-        peak = max(peak, live)
+    peak, _ = allocation_peak(prof)
     returned = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
     assert conv_backward_scratch(match_conv(node), True, True) == peak - returned
 

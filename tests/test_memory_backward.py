@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxopt
-from fxopt._torch_private import profiler_allocations
+from fxopt._torch_private import allocation_peak, allocation_profile
 from fxopt.analysis.memory import Region, estimate, step_profile
 from fxopt.measure import measure_allocator_peak
 
@@ -62,12 +62,9 @@ def _backward_beyond_gradients(op, *inputs) -> int:
     y = op(*inputs)
     grad = torch.randn_like(y)
     torch.autograd.grad(y, inputs, grad, retain_graph=True)  # one-time costs
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with allocation_profile() as prof:
         grads = torch.autograd.grad(y, inputs, grad)
-    live = peak = 0
-    for _, _, nbytes in profiler_allocations(prof):
-        live += nbytes
-        peak = max(peak, live)
+    peak, _ = allocation_peak(prof)
     return peak - sum(g.untyped_storage().nbytes() for g in grads)
 
 

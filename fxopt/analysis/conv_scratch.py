@@ -78,11 +78,7 @@ def _measured(target, args: tuple, kwargs: tuple, threads: int) -> tuple[int, in
         except Exception:  # noqa: BLE001  the call the graph makes could not be replayed: not measured
             return 0, 0
     del outputs
-    live = peak = 0
-    for _, _, nbytes in _torch_private.profiler_allocations(prof):
-        live += nbytes
-        peak = max(peak, live)
-    return peak, live
+    return _torch_private.allocation_peak(prof)
 
 
 def _measure(target, args: tuple, kwargs: tuple) -> tuple[int, int]:
