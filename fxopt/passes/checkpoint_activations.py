@@ -11,7 +11,9 @@ and attention outputs are kept, only the cheap ops between them are recomputed):
     e = fc2(checkpointed_fc1_to_drop); ...
 
 How it chooses (fxopt.passes._checkpoint_plan): `memory_budget` bounds the estimated peak of the
-whole step, forward *and* backward (a fraction of the step's peak as captured, before fxopt's passes, or bytes).
+whole step, forward *and* backward (a fraction of the step's peak as captured, before fxopt's passes, or bytes),
+the caller's loss included: its backward runs beside everything the graph keeps, and is taken to hold four
+tensors the size of the outputs (fxopt.analysis.memory), as a mean of squares does.
 The estimate (fxopt.analysis.memory) walks the plan: what stays saved, when each saved tensor
 is freed in backward, the gradients in flight, and the moment a region is recomputed next to
 everything still kept -- where the peak of a checkpointed step usually lands, and what a plan
@@ -126,7 +128,7 @@ def refusal(node: fx.Node, gm: fx.GraphModule) -> str:
 def _captured_peak(ctx: PassContext, peak_now: int) -> int:
     """The estimated step peak of the graph as captured, which a fractional budget is a fraction of (what the
     passes before this one freed, such as activation_masks' bytes, then counts towards the budget)."""
-    captured = step_profile(ctx.captured) if ctx.captured is not None else None
+    captured = step_profile(ctx.captured, caller_loss=True) if ctx.captured is not None else None
     return estimate(captured).peak if captured is not None else peak_now
 
 
@@ -204,7 +206,7 @@ class CheckpointActivations(Pass):
     def _checkpoint(gm: fx.GraphModule, ctx: PassContext, value, kind: str, amount: float,
                     result: PassResult) -> None:
         """Profile the step, plan the regions for the budget (`value`, parsed: `kind`, `amount`), extract them."""
-        profile = step_profile(gm, timed=True)
+        profile = step_profile(gm, timed=True, caller_loss=True)
         if profile is None:
             result.skipped = "the graph cannot run on fake tensors, so its memory cannot be estimated"
             return
