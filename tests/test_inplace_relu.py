@@ -419,15 +419,17 @@ def test_mask_gradients_are_bit_identical():
 
 @pytest.mark.parametrize("inplace", [False, True])
 def test_mask_passes_gradients_where_the_input_is_nan(inplace):
-    """A NaN input (so a NaN output) passes its gradient through the masked relu as through ATen's."""
-    x = torch.tensor([float("nan"), -1.0, 0.0, 2.0, float("inf"), float("-inf")])
-    grad = torch.tensor([1.0, 2.0, float("nan"), float("inf"), 3.0, 4.0])
-    grads = []
-    for relu in (torch.relu, relu_mask_ if inplace else relu_mask):
-        leaf = x.clone().requires_grad_()
-        relu(leaf * 1).backward(grad)
-        grads.append(leaf.grad)
-    torch.testing.assert_close(grads[1], grads[0], equal_nan=True, rtol=0, atol=0)
+    """A NaN input (so a NaN output) passes its gradient through the masked relu as through ATen's, and a NaN or
+    infinite gradient where the mask is set becomes +0: the same bits as ATen's, in float32 and bfloat16."""
+    x = torch.tensor([float("nan"), -1.0, 0.0, 2.0, float("inf"), float("-inf"), -3.0, 5.0])
+    grad = torch.tensor([1.0, 2.0, float("nan"), float("inf"), 3.0, float("-inf"), -0.0, -0.0])
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        grads = []
+        for relu in (torch.relu, relu_mask_ if inplace else relu_mask):
+            leaf = x.to(dtype, copy=True).requires_grad_()
+            relu(leaf * 1).backward(grad.to(dtype))
+            grads.append(leaf.grad.view(bits))  # bit for bit: NaN, infinities and the sign of zero
+        assert torch.equal(grads[1], grads[0])
 
 
 def test_no_mask_where_next_layer_keeps_the_output():

@@ -8,8 +8,10 @@ import torch
 
 import fxopt
 from fxopt._torch_private import allocation_peak, allocation_profile
+from fxopt.analysis.backward_temporaries import backward_temporary
 from fxopt.analysis.memory import Region, estimate, step_profile
 from fxopt.measure import measure_allocator_peak
+from fxopt.passes._relu_mask import relu_mask
 
 from named_regions import extract_regions, named_regions
 from test_memory_attention import _ResidualMLP
@@ -100,6 +102,17 @@ def test_backward_allocates_only_its_gradients(op):
     inputs = [torch.randn(s) for s in shapes]
     out_bytes = fn(*inputs).untyped_storage().nbytes()
     assert _backward_beyond_gradients(fn, *inputs) <= 0.01 * out_bytes
+
+
+def test_relu_mask_backward_holds_its_mask_in_the_gradients_dtype():
+    """fxopt's masked relu converts its bool mask to the gradient's dtype for ATen's hardtanh_backward: one tensor
+    the size of its output beyond the gradient, as backward_temporaries says."""
+    x = torch.randn(4, 64, 256)
+    held = _backward_beyond_gradients(relu_mask, x)
+    gm = fxopt.optimize(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Dropout()).train(),
+                        (x,), mode="training", passes=["inplace_relu"]).graph_module
+    node = next(n for n in gm.graph.nodes if "relu_mask" in str(n.target))
+    assert held == x.numel() * 4 == backward_temporary(node, set(node.all_input_nodes))
 
 
 class _LayerScale(torch.nn.Module):

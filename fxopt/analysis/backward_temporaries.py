@@ -15,6 +15,9 @@ And one kernel: ATen's CPU batch norm backward (batch_norm_backward_cpu_template
 gradient twice, for any layout and again in its contiguous path, and frees the first on return: one
 tensor the size of the input, in train and eval mode alike.
 
+And fxopt's own `relu_mask` (fxopt.passes._relu_mask) holds its mask converted to the gradient's dtype: one
+tensor the size of its output.
+
 A convolution's scratch is fxopt.analysis.conv_scratch's; everything else: 0.
 """
 from __future__ import annotations
@@ -41,6 +44,8 @@ def backward_temporary(node: fx.Node, requires_grad) -> int:
         broadcast = [a for a in args if a in requires_grad and tensor_meta(a) is not None
                      and out is not None and tensor_meta(a).shape != out.shape]
         return _nbytes(node) * len(broadcast)
+    if name in ("relu_mask", "relu_mask_") and args and args[0] in requires_grad:
+        return _nbytes(node)
     if name == "batch_norm" and args and args[0] in requires_grad and out is not None and out.device.type == "cpu":
         return _nbytes(args[0])
     return 0
