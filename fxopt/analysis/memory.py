@@ -210,6 +210,7 @@ class StepProfile:
         self._regions: dict = {}  # Region -> (keeps, recomputes, bytes recomputed)
         self._spans: dict = {}  # (start, stop) -> _span_sets
         self._deltas: dict = {}  # (held, segment) -> segment_delta
+        self._aboves: dict = {}  # (region, the held tensors it saves or makes) -> _region_above
         self._cost_prefix = list(itertools.accumulate((s.recompute_cost for s in self.steps), initial=0))
         self._counted_cost_prefix = list(itertools.accumulate((s.recompute_cost * s.counted for s in self.steps),
                                                               initial=0))
@@ -229,14 +230,24 @@ class StepProfile:
             if isinstance(segment, int):
                 keeps, stop, above = self.steps[segment].saved, segment + 1, self._backward_above[segment]
             else:
-                keeps, stop = self.region_keeps(segment), segment.stop
-                cached = self._cached_outputs(segment)
-                above = self._region_backward_peak(segment, (keeps | held) - cached) - self.bytes_of(cached)
+                keeps, stop, above = self.region_keeps(segment), segment.stop, self._region_above(segment, held)
             if stop == len(self.steps) and self.loss_outputs:  # the caller's loss runs before this backward
                 above = max(above, self._caller_loss_above(held | keeps))
             still_read = frozenset(k for k in held | keeps if self.last_read[k] >= stop)
             self._deltas[key] = (self.bytes_of(keeps - held), above, still_read)
         return self._deltas[key]
+
+    def _region_above(self, r: Region, held: frozenset) -> int:
+        """Live bytes above everything kept during a region's backward, with `held` kept before it. That depends on
+        `held` only where its recomputation saves or makes a tensor, so each region computes it once per such
+        overlap, not once per held set."""
+        touched = self._region_sets(r)[1] | self.steps[r.stop - 1].creates
+        key = (r, held & touched)
+        if key not in self._aboves:
+            cached = self._cached_outputs(r)
+            self._aboves[key] = (self._region_backward_peak(r, (self.region_keeps(r) | held) - cached)
+                                 - self.bytes_of(cached))
+        return self._aboves[key]
 
     def _caller_loss_above(self, kept: frozenset) -> int:
         """Live bytes above everything kept while the caller's loss runs its backward: the outputs no step keeps,
@@ -285,7 +296,7 @@ class StepProfile:
         memory caches, which do not depend on prices."""
         other = StepProfile(steps, self.nbytes, self.last_read, self.grad_live, rng_state=self.rng_state,
                             loss_outputs=self.loss_outputs)
-        other._regions, other._deltas, other._spans = self._regions, self._deltas, self._spans
+        other._regions, other._deltas, other._spans, other._aboves = self._regions, self._deltas, self._spans, self._aboves
         return other
 
     @staticmethod
