@@ -296,7 +296,8 @@ class StepProfile:
         memory caches, which do not depend on prices."""
         other = StepProfile(steps, self.nbytes, self.last_read, self.grad_live, rng_state=self.rng_state,
                             loss_outputs=self.loss_outputs)
-        other._regions, other._deltas, other._spans, other._aboves = self._regions, self._deltas, self._spans, self._aboves
+        other._regions, other._deltas, other._spans = self._regions, self._deltas, self._spans
+        other._aboves = self._aboves
         return other
 
     @staticmethod

@@ -180,9 +180,9 @@ class CheckpointActivations(Pass):
     summary = "Recompute cost-model-chosen regions in backward so the training step fits memory_budget."
     modes = (TRAINING,)
     reads_captured_graph = True  # a fractional budget is a fraction of the step's peak as captured
-    options = {"memory_budget": (None, "peak memory of a training step: a fraction in (0, 1] of its peak as captured, "
-                                       "before fxopt's passes (1 = no recomputation), or a size with a unit such as "
-                                       "'512MB'")}
+    options = {"memory_budget": (None, "peak memory of a training step, the caller's loss included: a fraction in "
+                                       "(0, 1] of its peak as captured, before fxopt's passes (1 = no recomputation), "
+                                       "or a size with a unit such as '512MB'")}
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
