@@ -15,6 +15,7 @@ from corpus_models import LastHiddenState
 from fxopt.analysis.memory import estimate, step_profile
 from fxopt.measure import measure_allocator_peak
 from fxopt.pipeline.run import from_model
+from named_regions import extract_regions, named_regions
 
 
 
@@ -78,3 +79,21 @@ def test_measured_peak_follows_the_budget_down_to_the_floor():
             assert peaks[-1] <= 1.1 * budget, (budget, peaks)
     assert all(b <= a for a, b in zip(peaks, peaks[1:])), peaks
     assert floors and len(set(floors)) == 1 and floors[0] < 0.5, floors
+
+
+@pytest.mark.parametrize("bounds", [("layer_norm_2", "matmul_5"), ("layer_norm", "matmul_5")],
+                         ids=["one_layer", "across_layers"])
+def test_selective_region_holds_its_dropout_masks_to_the_end(bounds):
+    """HF GPT-2 (dropout on attention and residuals), a selective region ending at an attention matmul: the masks of
+    the dropouts it replays stay with the region until its backward ends (they are not torch's cached outputs), and
+    the predicted step peak is the allocator's within 0.1% (taken as dropped while recomputing: 1.1% and 2.7% under)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=100, n_positions=128, n_layer=3, n_embd=128, n_head=2, use_cache=False,
+                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    model, tokens = LastHiddenState(transformers.GPT2Model(config)).train(), torch.randint(0, 100, (4, 128))
+    opt = fxopt.optimize(model, (tokens,), mode="training", passes=[])
+    profile = step_profile(opt.graph_module)
+    regions = named_regions(profile, [bounds], save_counted=True)
+    predicted = estimate(profile, regions).peak
+    extract_regions(opt.graph_module, profile, regions)
+    assert predicted == pytest.approx(measure_allocator_peak(opt, (tokens,)), rel=0.001)

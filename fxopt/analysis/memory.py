@@ -259,12 +259,14 @@ class StepProfile:
         then (torch.utils.checkpoint's _CachedTorchDispatchMode marks the entry consumed): after it, each lives on
         only where a step saves it, as a recomputed tensor. The recomputation stops once the last step that saves
         something has saved its inputs (checkpoint's early stop), so outputs of that step and later ones stay
-        cached, and so do graph outputs."""
+        cached, and so do graph outputs. The masks of the dropouts it replays are not in that cache: the region
+        holds them (RegionRun.scratch) until its backward ends, as it holds its inputs."""
         saving = [q for q in range(r.start, r.stop) if self.steps[q].saved]
         if not r.save_counted or not saving:
             return frozenset()
         made = frozenset().union(*(self.steps[q].creates for q in range(r.start, saving[-1])))
-        return frozenset(k for k in made & self.region_keeps(r) if self.last_read[k] < len(self.steps))
+        counted_outputs = self._span_sets(r.start, r.stop)[1]
+        return frozenset(k for k in made & counted_outputs if self.last_read[k] < len(self.steps))
 
     def _region_backward_peak(self, r: Region, counted: frozenset) -> int:
         """Live bytes above `counted` during a region's backward: its recomputation makes again what its
