@@ -159,3 +159,42 @@ def test_predicted_recompute_time_orders_plans_as_measured():
             measured[i] += _step_seconds(plan, x, 1)
     medians = [statistics.median(m) for m in measured]
     assert medians[0] < medians[1], (predicted, medians)
+
+
+def _conv_bn_dropout_blocks() -> torch.nn.Module:
+    blocks = [torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                  torch.nn.Dropout(0.2)) for _ in range(4)]
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 1), *blocks).train()
+
+
+def test_region_calibration_leaves_no_trace():
+    """Timing regions on a block of the graph itself gives each kind a per-region overhead (at least 0) and leaves
+    parameters, their gradients, BatchNorm statistics and the RNG as they were."""
+    from fxopt.analysis.memory import step_profile
+    from fxopt.passes._checkpoint_plan import region_boundaries
+    from fxopt.passes._region_calibration import calibrated_overhead, calibration_span
+
+    torch.manual_seed(0)
+    model, x = _conv_bn_dropout_blocks(), torch.randn(2, 3, 32, 32)
+    gm = exported_graph(model, (x,))
+    profile = step_profile(gm, timed=True)
+    span = calibration_span(profile, sorted(region_boundaries(profile)), [True] * len(profile.steps),
+                            lambda region: True)
+    state = {k: v.clone() for k, v in gm.state_dict().items()}
+    rng = torch.get_rng_state()
+    overhead = calibrated_overhead(gm, profile, span)
+    assert span is not None and overhead is not None
+    assert overhead.per_region >= 0 and overhead.selective_per_region >= 0
+    assert (overhead.per_op, overhead.selective_per_op) == (profile.overhead.per_op, profile.overhead.selective_per_op)
+    assert all(torch.equal(state[k], v) for k, v in gm.state_dict().items())
+    assert all(p.grad is None for p in gm.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_a_timed_plan_reports_the_region_overhead_it_measured():
+    """checkpoint_activations prices regions by a block of the graph and reports what it measured, in ms a region."""
+    torch.manual_seed(0)
+    model, x = _conv_bn_dropout_blocks(), torch.randn(2, 3, 32, 32)
+    optimized = fxopt.optimize(model, (x,), mode="training", passes=["checkpoint_activations"], memory_budget=0.5)
+    measured = optimized.fxopt_report["checkpoint_activations"].figures["region_overhead_ms"]
+    assert set(measured) == {"whole", "selective"} and all(v >= 0 for v in measured.values())

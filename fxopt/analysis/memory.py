@@ -189,9 +189,10 @@ class StepProfile:
         the region's own overhead."""
         recomputed = self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
         replayed = self._sum(self._replay_saving_prefix, r) if r.replay_dropout else 0
-        return recomputed - replayed + self._overhead_ns(r)
+        return recomputed - replayed + self.overhead_ns(r)
 
-    def _overhead_ns(self, r: Region) -> int:
+    def overhead_ns(self, r: Region) -> int:
+        """What the region costs beyond recomputing its ops (`overhead`), in region_cost's unit."""
         if self.overhead is None:
             return 0
         o = self.overhead

@@ -30,7 +30,7 @@ from .dropout_replay import replay, replayed_dropout_p
 ROUNDS = 2  # the fastest of two runs per node: the first warms up, the second is what a step pays
 
 
-def _real_like(value):
+def real_like(value):
     """A real tensor shaped like a (fake) example value; non-tensors pass through."""
     if not isinstance(value, torch.Tensor):
         return value
@@ -85,7 +85,7 @@ def node_seconds(gm: fx.GraphModule) -> dict[str, float] | None:
     examples = placeholder_values(gm)
     try:
         with preserved_state(gm, parameters=False), torch.no_grad():
-            inputs = [_real_like(v) for v in examples]
+            inputs = [real_like(v) for v in examples]
             runs = [dict() for _ in range(ROUNDS)]
             for seconds in runs:
                 _Timed(gm, seconds).run(*inputs)

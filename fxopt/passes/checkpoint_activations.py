@@ -72,8 +72,9 @@ from ..analysis.ops import match_batch_norm
 from ..op_names import op_name
 from ..analysis.side_effects import MUTATION, effects
 from ..errors import FxoptError
-from ._checkpoint_plan import plan_floor, plan_regions
+from ._checkpoint_plan import plan_floor, plan_regions, region_boundaries
 from ._checkpoint_region import CheckpointedRegion, can_recompute_batch_norm, extract_region, is_lone_state_update
+from ._region_calibration import calibrated_overhead, calibration_span
 from ._checkpoint_writes import KeptWrites
 from .base import TRAINING, Pass, PassContext, PassResult
 
@@ -229,6 +230,14 @@ class CheckpointActivations(Pass):
                 conflicts.setdefault(conflict, region)
             return conflict is None
 
+        if profile.timed:  # regions priced by what one of this graph's blocks costs as a region
+            span = calibration_span(profile, sorted(region_boundaries(profile)), checkpointable,
+                                    keeps_nothing_written_later)
+            calibrated = calibrated_overhead(gm, profile, span) if span is not None else None
+            if calibrated is not None:
+                profile.overhead = calibrated
+                result.figures["region_overhead_ms"] = {"whole": round(calibrated.per_region * 1e3, 3),
+                                                        "selective": round(calibrated.selective_per_region * 1e3, 3)}
         regions = plan_regions(profile, limit, checkpointable, allowed=keeps_nothing_written_later)
         unreachable = regions is None
         if unreachable:

@@ -1,0 +1,102 @@
+"""What a checkpointed region costs beyond its ops, measured on a block of the graph being planned.
+
+`fxopt.analysis.region_overhead` times regions over a chain of small ops. On a real model a region
+costs more than that and its ops' times predict: on HF MobileNetV2 (one thread, batch 4) each region
+of a plan at budget 0.5, timed alone, cost 1.3-3 ms beyond its predicted recomputation, where the
+chain priced 0.1-0.2 ms; its BatchNorms, its selective policy over convolutions, the activations
+it holds all play a part. `calibrated_overhead(gm, profile, span)` runs the graph's own steps
+[span) as a block, on real tensors shaped like the example, plain and as a whole and a selective
+CheckpointedRegion (what checkpoint_activations makes), in interleaved rounds; what each kind costs
+beyond the plain block and its ops' predicted recomputation is its per-region overhead (the
+per-op part stays the chain's). Nothing of the model changes: parameters are only read (the block
+differentiates its inputs, not them), buffers and the RNG are put back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from ..analysis.memory import Region, StepProfile
+from ..analysis.op_times import real_like, step_clock
+from ..analysis.region_overhead import RegionOverhead
+from ..state_preservation import preserved_state
+from ._checkpoint_region import extract_region
+
+ROUNDS = 5
+BLOCK_SECONDS = 1.5e-3  # the forward time of the block timed: a model's block, in about 0.1 s for all rounds
+
+
+def calibration_span(profile: StepProfile, boundaries: list[int], checkpointable: list[bool],
+                     allowed: Callable[[Region], bool]) -> Region | None:
+    """A block from each region boundary to the first boundary at least three steps on, that every region may hold
+    and `allowed` takes as a whole and a selective region: the one whose forward time is nearest BLOCK_SECONDS (None
+    if there is none)."""
+    firsts = ((a, next((b for b in boundaries if b >= a + 3), None)) for a in boundaries)
+    spans = [(a, b) for a, b in firsts if b is not None and all(checkpointable[a:b])
+             and allowed(Region(a, b)) and allowed(Region(a, b, save_counted=True))]
+    if not spans:
+        return None
+
+    def distance(span: tuple[int, int]) -> float:
+        seconds = sum(s.seconds for s in profile.steps[span[0]:span[1]])
+        return abs(math.log(max(seconds, 1e-9) / BLOCK_SECONDS))
+
+    return Region(*min(spans, key=distance))
+
+
+def _block(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, list]:
+    """`nodes` as a GraphModule of their own (on `gm`'s parameters and buffers), with the example values of its
+    inputs."""
+    graph, env, examples = fx.Graph(), {}, []
+    members = set(nodes)
+    for arg in dict.fromkeys(a for node in nodes for a in node.all_input_nodes if a not in members):
+        env[arg] = graph.get_attr(arg.target) if arg.op == "get_attr" else graph.placeholder(arg.name)
+        env[arg].meta.update(arg.meta)
+        if arg.op != "get_attr":
+            examples.append(arg.meta.get("val"))
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    outputs = [n for n in nodes if any(u not in members for u in n.users)] or nodes[-1:]
+    graph.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(gm, graph), examples
+
+
+def calibrated_overhead(gm: fx.GraphModule, profile: StepProfile, span: Region) -> RegionOverhead | None:
+    """The profile's overhead with each kind's per-region part measured on the graph's block `span` (see module
+    docstring); None where the block cannot run on such tensors."""
+    nodes = [s.node for s in profile.steps[span.start:span.stop]]
+    variants = {}
+    for kind in ("plain", "whole", "selective"):
+        block, examples = _block(gm, nodes)
+        if kind != "plain":
+            calls = [n for n in block.graph.nodes if n.op == "call_function"]
+            extract_region(block, calls, "region", kind == "selective")
+            block.recompile()
+        variants[kind] = block
+    clock, times = step_clock(), {kind: [] for kind in variants}
+    try:
+        with preserved_state(gm, parameters=False):
+            values = [real_like(v) for v in examples]
+            leaves = [x.requires_grad_() for x in values if isinstance(x, torch.Tensor) and x.is_floating_point()]
+            for _ in range(ROUNDS + 1):  # the first round warms up
+                for kind, block in variants.items():
+                    start = clock()  # each run on copies: the block may write its inputs in place
+                    inputs = [x.clone() if isinstance(x, torch.Tensor) else x for x in values]
+                    outputs = [o for o in block(*inputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+                    torch.autograd.grad(sum(o.float().sum() for o in outputs), leaves, allow_unused=True)
+                    times[kind].append(clock() - start)
+    except Exception:  # noqa: BLE001 - a block zeros or random values cannot stand for: keep the chain's prices
+        return None
+    plain, o = statistics.median(times["plain"][1:]), profile.overhead
+    per_region = {}
+    for kind, per_op in (("whole", o.per_op), ("selective", o.selective_per_op)):
+        region = span._replace(save_counted=kind == "selective")
+        recomputed = (profile.region_cost(region) - profile.overhead_ns(region)) / 1e9
+        extra = statistics.median(times[kind][1:]) - plain - recomputed
+        per_region[kind] = max(0.0, extra - per_op * (span.stop - span.start))
+    return dataclasses.replace(o, per_region=per_region["whole"], selective_per_region=per_region["selective"])
