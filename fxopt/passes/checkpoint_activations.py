@@ -19,8 +19,9 @@ is freed in backward, the gradients in flight, and the moment a region is recomp
 everything still kept -- where the peak of a checkpointed step usually lands, and what a plan
 that only counts bytes saved at the end of forward misses. Recomputation is priced in time:
 each node's forward measured on real tensors shaped like the example (fxopt.analysis.op_times;
-FLOPs where the graph cannot run so), plus what a region costs beyond its ops, measured once
-(fxopt.analysis.region_overhead: per region, and per op it holds), so the plan with the
+FLOPs where the graph cannot run so), plus what a region costs beyond its ops (per op it holds: measured once,
+fxopt.analysis.region_overhead; per region: on a block of this graph, fxopt.passes._region_calibration, figure
+`region_overhead_ms`), so the plan with the
 lowest predicted step time whose predicted peak fits is chosen (figure `predicted_recompute_s`). An exact
 dynamic program over region boundaries and both region kinds returns the cheapest plan under
 the budget (a √n split would ignore both the prices and where the peak lands); if no plan
