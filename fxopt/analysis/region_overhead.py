@@ -9,7 +9,7 @@ returns the difference split into per region and per op (medians of interleaved 
 clock op_times uses). The ops save their input for backward, as a model's convolutions, norms and
 activations do, so each saved tensor passes the region's hooks (`x * 1.0`, which saves nothing,
 measured 0 per op in a whole region; `sin`, 37 us). It is measured once per device and thread count,
-in about 0.1 s, and cached. Its per-region figures are a floor: a model's regions cost more (HF MobileNetV2: 1-2 ms
+in about 0.1 s, and cached. Its per-region figures are a floor: a model's regions cost more (HF MobileNetV2: 0.6-1.9 ms
 a region, against 0.1 ms here), so checkpoint_activations measures them on a block of the graph it plans
 (fxopt.passes._region_calibration) and keeps this per-op price.
 """
