@@ -47,11 +47,17 @@ def step_clock():
     return time.thread_time if torch.get_num_threads() == 1 and not on_gpu else time.perf_counter
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued work where torch has started CUDA, so that a host clock times the work, not its
+    launch."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class _Timed(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, seconds: dict[str, float]):
         super().__init__(gm)
         self.seconds = seconds
-        self.sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self.clock = step_clock()
 
     def run_node(self, n: fx.Node):
@@ -68,8 +74,7 @@ class _Timed(fx.Interpreter):
     def _timed(self, key: str, run):
         start = self.clock()
         out = run()
-        if self.sync is not None:
-            self.sync()
+        synchronize()
         elapsed = self.clock() - start
         self.seconds[key] = min(self.seconds.get(key, elapsed), elapsed)
         return out

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.memory import Region, StepProfile
-from ..analysis.op_times import real_like, step_clock
+from ..analysis.op_times import real_like, step_clock, synchronize
 from ..analysis.region_overhead import RegionOverhead
 from ..state_preservation import preserved_state
 from ._checkpoint_region import extract_region
@@ -89,6 +89,7 @@ def calibrated_overhead(gm: fx.GraphModule, profile: StepProfile, span: Region) 
                     inputs = [x.clone() if isinstance(x, torch.Tensor) else x for x in values]
                     outputs = [o for o in block(*inputs) if isinstance(o, torch.Tensor) and o.requires_grad]
                     torch.autograd.grad(sum(o.float().sum() for o in outputs), leaves, allow_unused=True)
+                    synchronize()
                     times[kind].append(clock() - start)
     except Exception:  # noqa: BLE001 - a block zeros or random values cannot stand for: keep the chain's prices
         return None
