@@ -44,6 +44,12 @@ def _conv_bn_relu_blocks():
     return fxopt.optimize(model, (x,), mode="training", passes=[]), x
 
 
+def _per_block_regions(profile, save_counted: bool) -> list[Region]:
+    """A region over each Conv-BN-ReLU block after the first convolution."""
+    convs = [p for p, s in enumerate(profile.steps) if s.node.name.startswith("conv2d")][1:]
+    return [Region(start, stop, save_counted) for start, stop in zip(convs, [*convs[1:], len(profile.steps)])]
+
+
 @pytest.mark.parametrize("save_counted", [False, True], ids=["whole", "selective"])
 def test_regions_over_batch_norm_blocks_predicted_exactly(save_counted):
     """A region over each Conv-BN-ReLU block keeps, until its backward ends, the checkpoint's copy of the RNG state
@@ -51,8 +57,7 @@ def test_regions_over_batch_norm_blocks_predicted_exactly(save_counted):
     for the loss and its gradient, two scalars outside the graph (without them 22 KB under)."""
     opt, x = _conv_bn_relu_blocks()
     profile = step_profile(opt.graph_module)
-    convs = [p for p, s in enumerate(profile.steps) if s.node.name.startswith("conv2d")][1:]
-    regions = [Region(start, stop, save_counted) for start, stop in zip(convs, [*convs[1:], len(profile.steps)])]
+    regions = _per_block_regions(profile, save_counted)
     predicted = estimate(profile, regions).peak
     extract_regions(opt.graph_module, profile, regions)
     assert 0 <= measure_allocator_peak(opt, (x,)) - predicted <= 8
@@ -65,9 +70,7 @@ def test_caller_loss_predicted_exactly(save_counted):
     (without the loss's moment, 115 KB under without regions)."""
     opt, x = _conv_bn_relu_blocks()
     profile = step_profile(opt.graph_module, caller_loss=True)
-    convs = [p for p, s in enumerate(profile.steps) if s.node.name.startswith("conv2d")][1:]
-    regions = [] if save_counted is None else [
-        Region(start, stop, save_counted) for start, stop in zip(convs, [*convs[1:], len(profile.steps)])]
+    regions = [] if save_counted is None else _per_block_regions(profile, save_counted)
     predicted = estimate(profile, regions).peak
     extract_regions(opt.graph_module, profile, regions)
     assert 0 <= measure_allocator_peak(opt, (x,), forward=lambda x: (opt(x) ** 2).mean()) - predicted <= 8

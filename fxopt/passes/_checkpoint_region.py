@@ -144,6 +144,22 @@ def is_lone_state_update(node: fx.Node) -> bool:
             and all(a.op == "get_attr" and set(a.users) == {node} for a in node.all_input_nodes))
 
 
+def inputs_of_graph(graph: fx.Graph, nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """What `nodes` read from outside them, in order of first reading, each made a node of `graph` (a get_attr as
+    itself, anything else a placeholder) with its meta: the start of the environment that copies them into `graph`."""
+    members, env = set(nodes), {}
+    for arg in dict.fromkeys(a for node in nodes for a in node.all_input_nodes if a not in members):
+        env[arg] = graph.get_attr(arg.target) if arg.op == "get_attr" else graph.placeholder(arg.name)
+        env[arg].meta.update(arg.meta)
+    return env
+
+
+def read_outside(nodes: list[fx.Node]) -> list[fx.Node]:
+    """Those of `nodes` a node outside them reads: what a graph of them returns."""
+    members = set(nodes)
+    return [n for n in nodes if any(u not in members for u in n.users)]
+
+
 def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_counted: bool,
                    replay_dropout: bool = True) -> fx.Node:
     """Replace `nodes` (contiguous in graph order) with one call of a CheckpointedRegion; return that call.
@@ -155,23 +171,13 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
     nodes = [n for n in nodes if n not in updates]
     for update in updates:
         nodes[0].prepend(update)
-    members = set(nodes)
     body = fx.Graph()
     batch_norms = {n for n in nodes if can_recompute_batch_norm(n)}
     dropouts = replayable_dropouts(nodes) if replay_dropout else {}
     run = body.placeholder("run") if batch_norms or dropouts else None
-    env: dict[fx.Node, fx.Node] = {}
-    inputs: list[fx.Node] = []
+    env = inputs_of_graph(body, nodes)
+    inputs = [a for a in env if a.op != "get_attr"]
     for node in nodes:
-        for arg in node.all_input_nodes:
-            if arg in members or arg in env:
-                continue
-            if arg.op == "get_attr":
-                env[arg] = body.get_attr(arg.target)
-            else:
-                inputs.append(arg)
-                env[arg] = body.placeholder(arg.name)
-            env[arg].meta.update(arg.meta)
         if node in batch_norms:
             env[node] = _batch_norm_once_call(body, node, env, run)
             env[node].meta.update(node.meta)
@@ -180,7 +186,7 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
             env[node].meta.update(node.meta)
         else:
             env[node] = body.node_copy(node, lambda a: env[a])
-    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    outputs = read_outside(nodes)
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
     gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, "Region"), save_counted,
                                                   bool(batch_norms or dropouts)))

@@ -25,7 +25,7 @@ from ..analysis.memory import Region, StepProfile
 from ..analysis.op_times import real_like, step_clock, synchronize
 from ..analysis.region_overhead import RegionOverhead
 from ..state_preservation import preserved_state
-from ._checkpoint_region import extract_region
+from ._checkpoint_region import extract_region, inputs_of_graph, read_outside
 
 ROUNDS = 5
 BLOCK_SECONDS = 1.5e-3  # the forward time of the block timed: a model's block, in about 0.1 s for all rounds
@@ -52,17 +52,12 @@ def calibration_span(profile: StepProfile, boundaries: list[int], checkpointable
 def _block(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, list]:
     """`nodes` as a GraphModule of their own (on `gm`'s parameters and buffers), with the example values of its
     inputs."""
-    graph, env, examples = fx.Graph(), {}, []
-    members = set(nodes)
-    for arg in dict.fromkeys(a for node in nodes for a in node.all_input_nodes if a not in members):
-        env[arg] = graph.get_attr(arg.target) if arg.op == "get_attr" else graph.placeholder(arg.name)
-        env[arg].meta.update(arg.meta)
-        if arg.op != "get_attr":
-            examples.append(arg.meta.get("val"))
+    graph = fx.Graph()
+    env = inputs_of_graph(graph, nodes)
+    examples = [a.meta.get("val") for a in env if a.op != "get_attr"]
     for node in nodes:
         env[node] = graph.node_copy(node, lambda a: env[a])
-    outputs = [n for n in nodes if any(u not in members for u in n.users)] or nodes[-1:]
-    graph.output(tuple(env[n] for n in outputs))
+    graph.output(tuple(env[n] for n in read_outside(nodes) or nodes[-1:]))
     return fx.GraphModule(gm, graph), examples
 
 
