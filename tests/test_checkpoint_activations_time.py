@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fxopt
+from fxopt.analysis.batch_norm_replay import replayed_batch_norm
 from fxopt.analysis.dropout_replay import replayed_dropout_p
 from fxopt.analysis.op_times import node_seconds, replay_key
 from fxopt.measure import measure_allocator_peak
@@ -23,15 +24,15 @@ def _bn_net() -> torch.nn.Module:
 
 
 def test_timing_leaves_no_trace():
-    """Timing the graph returns a positive time per call node (and per dropout replayed from its mask) and leaves
-    BatchNorm statistics and the RNG as they were."""
+    """Timing the graph returns a positive time per call node (and per replay: a dropout's from its mask, a train-mode
+    BatchNorm's from its statistics) and leaves BatchNorm statistics and the RNG as they were."""
     model, x = _bn_net(), torch.randn(2, 3, 8, 8)
     gm = exported_graph(model, (x,))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     seconds = node_seconds(gm)
     calls = [n.name for n in gm.graph.nodes if n.op == "call_function"]
-    replays = [replay_key(n.name) for n in gm.graph.nodes if replayed_dropout_p(n) is not None]
+    replays = [replay_key(n.name) for n in gm.graph.nodes if replayed_dropout_p(n) is not None or replayed_batch_norm(n)]
     assert replays and sorted(seconds) == sorted(calls + replays) and all(s > 0 for s in seconds.values())
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state())

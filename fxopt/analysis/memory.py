@@ -26,7 +26,7 @@ live anyway and cost nothing (as in `fxopt.measure`).
 * from its forward to the end of its backward a region also keeps its checkpoint's state: on CPU, a copy of
   the RNG state (`preserve_rng_state`; the second copy torch.random.fork_rng holds while it recomputes is
   freed before the gradients of its last step's backward, which the model already counts then, exist), and
-  a copy of the running statistics of each train-mode BatchNorm in it
+  of each train-mode BatchNorm in it, what its recomputation replays from or copies of its running statistics
   (fxopt.passes._checkpoint_region.batch_norm_once);
 * the forward at p holds the kept tensors made so far and the tensors still to be read;
 * with `caller_loss`, between the forward and the graph's backward the caller's loss runs its own backward
@@ -53,6 +53,7 @@ import torch.fx as fx
 from .. import _torch_private
 from ..op_names import op_name
 from .backward_temporaries import backward_temporary
+from .batch_norm_replay import replayed_batch_norm
 from .conv_scratch import conv_backward_scratch
 from .dropout_replay import draws_unreplayed, replayed_dropout_p
 from .flops import node_flops
@@ -81,21 +82,20 @@ class Step:
     counted: bool  # a matmul / conv / attention: the ops a selective region saves
     seconds: float | None = None  # its forward's measured time (fxopt.analysis.op_times), if measured
     mask: frozenset = frozenset()  # a dropout a region may replay: its mask's key (fxopt.analysis.dropout_replay)
-    replay_seconds: float | None = None  # the replay's measured time, if measured
+    replay_seconds: float | None = None  # the measured time of recomputing it from what a region keeps (a dropout's
+    # mask, a BatchNorm's statistics: fxopt.analysis.batch_norm_replay), if it has such a replay and was measured
     outputs: frozenset = frozenset()  # the storages of its output value it creates (creates less private buffers)
     backward_scratch: int | None = None  # what its backward allocates beyond its gradients, if known (a convolution's
     # scratch; fxopt.analysis.backward_temporaries for other ops)
-    region_state: int = 0  # what a region holding it keeps from its forward to its backward's end: a train-mode
-    # BatchNorm's copies of its running statistics (batch_norm_once)
+    region_state: int = 0  # what a region holding it keeps from its forward to its backward's end: of a train-mode
+    # BatchNorm, what it replays from or copies of its running statistics (batch_norm_once)
 
     @property
     def replay_saving(self) -> int:
-        """What replaying this dropout from its mask saves over drawing it again, in recompute_cost's unit."""
-        if not self.mask:
+        """What replaying this step (`replay_seconds`) saves over running it again, in recompute_cost's unit."""
+        if self.seconds is None or self.replay_seconds is None:
             return 0
-        if self.seconds is not None:
-            return max(0, round((self.seconds - self.replay_seconds) * 1e9))
-        return 0
+        return max(0, round((self.seconds - self.replay_seconds) * 1e9))
 
     @property
     def recompute_cost(self) -> int:
@@ -185,10 +185,13 @@ class StepProfile:
         return self._spans[start, stop]
 
     def region_cost(self, r: Region) -> int:
-        """Recompute cost of a region: every step's, less the counted ones a selective region keeps, plus
-        the region's own overhead."""
+        """Recompute cost of a region: every step's, less the counted ones a selective region keeps and what replays
+        save (Step.replay_saving: BatchNorms always, dropouts where the region keeps their masks), plus the region's
+        own overhead."""
         recomputed = self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
-        replayed = self._sum(self._replay_saving_prefix, r) if r.replay_dropout else 0
+        replayed = self._sum(self._statistics_replay_saving_prefix, r)
+        if r.replay_dropout:
+            replayed += self._sum(self._dropout_replay_saving_prefix, r)
         return recomputed - replayed + self.overhead_ns(r)
 
     def overhead_ns(self, r: Region) -> int:
@@ -215,7 +218,10 @@ class StepProfile:
         self._cost_prefix = list(itertools.accumulate((s.recompute_cost for s in self.steps), initial=0))
         self._counted_cost_prefix = list(itertools.accumulate((s.recompute_cost * s.counted for s in self.steps),
                                                               initial=0))
-        self._replay_saving_prefix = list(itertools.accumulate((s.replay_saving for s in self.steps), initial=0))
+        self._dropout_replay_saving_prefix = list(itertools.accumulate((s.replay_saving if s.mask else 0
+                                                                        for s in self.steps), initial=0))
+        self._statistics_replay_saving_prefix = list(itertools.accumulate((0 if s.mask else s.replay_saving
+                                                                           for s in self.steps), initial=0))
         self._mask_prefix = list(itertools.accumulate((bool(s.mask) for s in self.steps), initial=0))
         self._unreplayed_random_prefix = list(itertools.accumulate(map(draws_unreplayed, (s.node for s in self.steps)),
                                                                    initial=0))
@@ -407,9 +413,9 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
         steps.append(Step(node, frozenset(creates), frozenset(reads & nbytes.keys()), frozenset(saved),
                           flops.get(node.name, 0), flops.get(node.name, 0) > 0,
                           seconds.get(node.name, 0.0) if timed else None, mask,
-                          seconds.get(replay_key(node.name), 0.0) if timed and mask else None, outputs,
+                          seconds.get(replay_key(node.name)) if timed else None, outputs,
                           _backward_scratch(node, grad_needs) if node in needs_grad else None,
-                          _running_statistics_copies(node)))
+                          _statistics_kept(node)))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -429,10 +435,17 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
     return StepProfile(steps, nbytes, last_read, grads, overhead, rng_state, loss_outputs)
 
 
-def _running_statistics_copies(node: fx.Node) -> int:
-    """Bytes of the copies of its running statistics a train-mode BatchNorm makes in a region (batch_norm_once)."""
+def _statistics_kept(node: fx.Node) -> int:
+    """Bytes a region holding train-mode BatchNorm `node` keeps of it until its backward ends (batch_norm_once):
+    four per-channel vectors to replay it from (fxopt.analysis.batch_norm_replay.KeptStatistics), else copies of
+    its running statistics."""
     bn = match_batch_norm(node)
-    if bn is None or bn.training is False or bn.running_mean is None:
+    if bn is None or bn.training is False:
+        return 0
+    if replayed_batch_norm(node):
+        x = tensor_meta(bn.input)
+        return 4 * x.shape[1] * x.element_size()
+    if bn.running_mean is None:
         return 0
     return sum(tensor_bytes(stat) for stat in (bn.running_mean, bn.running_var))
 

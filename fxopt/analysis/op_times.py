@@ -5,7 +5,8 @@ placeholders' `node.meta["val"]` (floating inputs random, integer and bool input
 every index is valid), under `torch.no_grad()` -- as a checkpointed region recomputes, the same
 kernels -- and returns {node name: the fastest of its runs} (the first run pays one-time costs; the
 fastest drops it), and for a dropout a region may replay from a kept mask
-(fxopt.analysis.dropout_replay) the replay's time under `replay_key(name)`. With one torch thread
+(fxopt.analysis.dropout_replay) or a BatchNorm it may replay from kept statistics
+(fxopt.analysis.batch_norm_replay) the replay's time under `replay_key(name)`. With one torch thread
 it times the thread's CPU time (`step_clock`): wall time on a loaded machine counted other
 processes' work (HF BERT's nodes summed to 2.5x its real forward). FLOPs (fxopt.analysis.flops)
 price a layer norm, a softmax or a dropout at nothing; on a real model those memory-bound ops
@@ -25,7 +26,9 @@ import torch.fx as fx
 
 from ..state_preservation import preserved_state
 from .costs import placeholder_values
-from .dropout_replay import replay, replayed_dropout_p
+from . import batch_norm_replay, dropout_replay
+from .dropout_replay import replayed_dropout_p
+from .ops import match_batch_norm
 
 ROUNDS = 2  # the fastest of two runs per node: the first warms up, the second is what a step pays
 
@@ -68,7 +71,13 @@ class _Timed(fx.Interpreter):
         if p is not None:  # a region may recompute it from a kept mask instead
             x = self.env[n.all_input_nodes[0]]
             mask = torch.ones_like(x, dtype=torch.bool)
-            self._timed(replay_key(n.name), lambda: replay(x, mask, p))
+            self._timed(replay_key(n.name), lambda: dropout_replay.replay(x, mask, p))
+        if batch_norm_replay.replayed_batch_norm(n):  # a region recomputes it from its kept statistics
+            bn = match_batch_norm(n)
+            x, weight, bias = (self.env[a] if a is not None else None for a in (bn.input, bn.weight, bn.bias))
+            channels = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+            kept = batch_norm_replay.KeptStatistics.of(weight, channels, channels)
+            self._timed(replay_key(n.name), lambda: batch_norm_replay.replay(x, bias, kept))
         return out
 
     def _timed(self, key: str, run):
@@ -81,7 +90,7 @@ class _Timed(fx.Interpreter):
 
 
 def replay_key(name: str) -> str:
-    """Where node_seconds puts the time of replaying dropout `name` from its mask (fxopt.analysis.dropout_replay)."""
+    """Where node_seconds puts the time of replaying node `name` from what a region keeps (module docstring)."""
     return f"{name}:replay"
 
 

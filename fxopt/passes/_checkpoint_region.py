@@ -4,11 +4,12 @@
 `CheckpointedRegion(body)`, registered on `gm` as submodule `name`, and calls it in their
 place. The region runs under non-reentrant `torch.utils.checkpoint.checkpoint`, which keeps
 only the region's inputs (and restores the RNG state before recomputing, so dropout draws the
-same mask). Every BatchNorm inside (`aten.batch_norm`, `F.batch_norm`) runs as `batch_norm_once`:
-as written on the
-region's first run, and on a recomputation in train mode the same aten op on throwaway copies of
-the running statistics, so they move once per step, as without checkpointing, and checkpoint sees
-the same ops and saved tensors on both runs. With `save_counted`, a selective checkpoint policy
+same mask). Every BatchNorm inside (`aten.batch_norm`, `F.batch_norm`) runs as `batch_norm_once`, so
+its running statistics move once per step, as without checkpointing, and checkpoint sees the same saved
+tensors on both runs: a train-mode one on a contiguous float CPU input keeps its batch statistics from the
+region's first run and its recomputation maps the input with them, bit for bit as ATen did
+(fxopt.analysis.batch_norm_replay); any other runs as written on the first run and, in train mode, on
+throwaway copies of the running statistics when recomputed. With `save_counted`, a selective checkpoint policy
 also keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and
 recomputes only the rest. A train-mode dropout on CPU runs as `dropout_once`: the mask its first run
 draws is kept, and a recomputation rebuilds the noise from it (fxopt.analysis.dropout_replay).
@@ -32,6 +33,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..analysis import batch_norm_replay
 from ..analysis.dropout_replay import draw, replay, replayable_dropouts
 from ..analysis.flops import is_counted_op
 from ..graph_functions import graph_function
@@ -67,9 +69,37 @@ def _statistics_this_run_updates(running_mean, running_var, run: RegionRun) -> t
     return run.scratch[id(running_mean)]
 
 
+class _BatchNormReplayingStatistics(torch.autograd.Function):
+    """A train-mode BatchNorm whose recomputation reuses its first run's batch statistics (kept in the run's
+    scratch under `key`). Its backward is ATen's own train-mode backward over the same saved tensors."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, key, run: RegionRun):
+        if run.first:
+            out, mean, invstd = torch.ops.aten.native_batch_norm(x, weight, bias, running_mean, running_var, True,
+                                                                 momentum, eps)
+            run.scratch[key] = kept = batch_norm_replay.KeptStatistics.of(weight, mean, invstd)
+        else:
+            kept = run.scratch[key]
+            out = batch_norm_replay.replay(x, bias, kept)
+        ctx.save_for_backward(x, weight, kept.mean, kept.invstd)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, invstd = ctx.saved_tensors
+        grads = torch.ops.aten.native_batch_norm_backward(grad, x, weight, None, None, mean, invstd, True, ctx.eps,
+                                                          list(ctx.needs_input_grad[:3]))
+        return *grads, None, None, None, None, None, None
+
+
 @graph_function(name="batch_norm", updates_stats=True)
-def batch_norm_once(x, running_mean, running_var, weight, bias, training, momentum, eps, run: RegionRun):
-    """`F.batch_norm` / `aten.batch_norm` in a region, running statistics updated on the first run only."""
+def batch_norm_once(x, running_mean, running_var, weight, bias, training, momentum, eps, key: str, run: RegionRun):
+    """`F.batch_norm` / `aten.batch_norm` in a region (`key`: its node's name), running statistics updated on the
+    first run only (module docstring)."""
+    if training and batch_norm_replay.replays_statistics(x, weight, bias):
+        return _BatchNormReplayingStatistics.apply(x, weight, bias, running_mean, running_var, momentum, eps, key, run)
     if training and running_mean is not None:
         running_mean, running_var = _statistics_this_run_updates(running_mean, running_var, run)
     return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
@@ -134,7 +164,7 @@ def _batch_norm_once_call(body: fx.Graph, node: fx.Node, env: dict, run: fx.Node
     a = {k: env[v] if isinstance(v, fx.Node) else v for k, v in functional_batch_norm_args(node).items()}
     return body.call_function(batch_norm_once, (a["input"], a.get("running_mean"), a.get("running_var"),
                                                 a.get("weight"), a.get("bias"), a.get("training", False),
-                                                a.get("momentum", 0.1), a.get("eps", 1e-5), run))
+                                                a.get("momentum", 0.1), a.get("eps", 1e-5), node.name, run))
 
 
 def is_lone_state_update(node: fx.Node) -> bool:

@@ -31,14 +31,16 @@ it. A region that would free nothing (no saved bytes, no lower peak) is never ma
 
 Why it is safe: a recomputed region computes the same values from the same inputs; the
 non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
-same mask; a BatchNorm updates its running statistics on the first run only;
+same mask; a BatchNorm updates its running statistics on the first run only, and a train-mode one on
+a contiguous float CPU input is recomputed from the batch statistics its first run kept, by the same
+kernel, so the same bits (fxopt.analysis.batch_norm_replay: a tenth of the op's time);
 parameters are shared, so gradients accumulate into the same tensors.
 
 When a node stays out of every region (reason in the report):
   bn_training           a train-mode BatchNorm subclass or one called in a form fxopt cannot rewrite:
                         recomputing it would update its running statistics twice (`F.batch_norm` and
-                        `aten.batch_norm` may be recomputed: a recomputation updates throwaway copies,
-                        `batch_norm_once`)
+                        `aten.batch_norm` may be recomputed: a recomputation replays its statistics or
+                        updates throwaway copies, `batch_norm_once`)
   mutation              a write fxopt cannot place (`out=`, setitem): recomputing after it ran would
                         read the mutated tensor. An in-place op (`add_`, `relu_`) may be recomputed inside
                         a region that made the tensor it writes (not in a selective region's cached
