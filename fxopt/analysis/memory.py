@@ -184,14 +184,26 @@ class StepProfile:
                                         self.bytes_of(recomputes))
         return self._spans[start, stop]
 
+    def recomputed_steps(self, r: Region) -> range:
+        """The steps a region's recomputation runs. Checkpoint stops it once the last tensor the forward saved is
+        saved again (its early stop): the last step that saves something runs only when it saves a tensor it makes
+        (a softmax's result, a dropout's mask), not when it saves its inputs alone (a linear's), and no later step
+        runs (a region over a transformer layer never recomputes its last linear)."""
+        last = self._last_saver[r.stop]
+        if last < r.start:
+            return range(r.start, r.start)
+        return range(r.start, last + 1 if self._saves_what_it_makes[last] else last)
+
     def region_cost(self, r: Region) -> int:
-        """Recompute cost of a region: every step's, less the counted ones a selective region keeps and what replays
-        save (Step.replay_saving: BatchNorms always, dropouts where the region keeps their masks), plus the region's
-        own overhead."""
-        recomputed = self._sum(self._cost_prefix, r) - (self._sum(self._counted_cost_prefix, r) if r.save_counted else 0)
-        replayed = self._sum(self._statistics_replay_saving_prefix, r)
+        """Recompute cost of a region: every step it recomputes (recomputed_steps), less the counted ones a
+        selective region keeps and what replays save (Step.replay_saving: BatchNorms always, dropouts where the
+        region keeps their masks), plus the region's own overhead."""
+        run = self.recomputed_steps(r)
+        recomputed = self._sum(self._cost_prefix, run) - (self._sum(self._counted_cost_prefix, run)
+                                                          if r.save_counted else 0)
+        replayed = self._sum(self._statistics_replay_saving_prefix, run)
         if r.replay_dropout:
-            replayed += self._sum(self._dropout_replay_saving_prefix, r)
+            replayed += self._sum(self._dropout_replay_saving_prefix, run)
         return recomputed - replayed + self.overhead_ns(r)
 
     def overhead_ns(self, r: Region) -> int:
@@ -208,7 +220,9 @@ class StepProfile:
         return self._sum(self._mask_prefix, r) > 0 and self._sum(self._unreplayed_random_prefix, r) == 0
 
     def region_flops(self, r: Region) -> int:
-        return self._sum(self._flops_prefix, r) - (self._sum(self._counted_flops_prefix, r) if r.save_counted else 0)
+        """FLOPs of the steps a region recomputes, less the counted ones a selective region keeps."""
+        run = self.recomputed_steps(r)
+        return self._sum(self._flops_prefix, run) - (self._sum(self._counted_flops_prefix, run) if r.save_counted else 0)
 
     def __post_init__(self):
         self._regions: dict = {}  # Region -> (keeps, recomputes, bytes recomputed)
@@ -227,6 +241,9 @@ class StepProfile:
                                                                    initial=0))
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_flops_prefix = list(itertools.accumulate((s.flops * s.counted for s in self.steps), initial=0))
+        self._last_saver = list(itertools.accumulate((p if s.saved else -1 for p, s in enumerate(self.steps)), max,
+                                                     initial=-1))  # [p]: the last step before p that saves
+        self._saves_what_it_makes = [bool(s.saved & s.creates) for s in self.steps]
         # each step's backward holds the gradients and what it allocates beyond them (Step.backward_scratch)
         self._backward_above = [g + (s.backward_scratch or 0) for g, s in zip(self.grad_live, self.steps)]
 
@@ -277,8 +294,8 @@ class StepProfile:
 
     def _region_backward_peak(self, r: Region, counted: frozenset) -> int:
         """Live bytes above `counted` during a region's backward: its recomputation makes again what its
-        steps save (and the last step's output on the way), a selective region's cached outputs among them
-        (`_cached_outputs`); each is freed after the backward of its
+        steps save, a selective region's cached outputs among them (`_cached_outputs`), and where it stops
+        (recomputed_steps) what it made for a step it did not run is still alive; each is freed after the backward of its
         first holder, while the gradients at each step are alive, with a convolution's scratch
         (fxopt.analysis.conv_scratch) or the temporaries of pow, broadcast mul and batch norm
         (fxopt.analysis.backward_temporaries).
@@ -295,10 +312,11 @@ class StepProfile:
         freed_at = [0] * (r.stop - r.start)
         for k, q in first_holder.items():
             freed_at[q - r.start] += self.nbytes[k]
-        last_output = self.bytes_of(self.steps[r.stop - 1].creates - counted - first_holder.keys())
+        run = self.recomputed_steps(r)  # where it stops, what it made that a step it did not run would read is alive
+        pending = {k for q in run for k in self.steps[q].creates if self.last_read[k] >= run.stop} - counted
         alive = list(itertools.accumulate(freed_at))  # alive at q's backward: what steps at or before q still hold,
         peak = max(map(operator.add, alive, self._backward_above[r.start:r.stop]))  # + gradients and temporary
-        return max(peak, alive[-1] + last_output + self.grad_live[r.stop - 1])
+        return max(peak, alive[-1] + self.bytes_of(pending - first_holder.keys()) + self.grad_live[r.stop - 1])
 
     def repriced(self, steps: list[Step]) -> StepProfile:
         """The same memory profile with `steps` priced otherwise (no region overhead): it shares the
@@ -310,8 +328,8 @@ class StepProfile:
         return other
 
     @staticmethod
-    def _sum(prefix: list[int], r: Region) -> int:
-        return prefix[r.stop] - prefix[r.start]
+    def _sum(prefix: list[int], span: Region | range) -> int:
+        return prefix[span.stop] - prefix[span.start]
 
 
 class SegmentEffect(NamedTuple):  # a tuple: the planner makes one per step and label

@@ -17,7 +17,9 @@ tensors the size of the outputs (fxopt.analysis.memory), as a mean of squares do
 The estimate (fxopt.analysis.memory) walks the plan: what stays saved, when each saved tensor
 is freed in backward, the gradients in flight, and the moment a region is recomputed next to
 everything still kept -- where the peak of a checkpointed step usually lands, and what a plan
-that only counts bytes saved at the end of forward misses. Recomputation is priced in time:
+that only counts bytes saved at the end of forward misses. Recomputation is priced in time, for
+the steps a region's recomputation runs (checkpoint stops it once the last saved tensor is saved
+again, so a region over a transformer layer never recomputes its last linear):
 each node's forward measured on real tensors shaped like the example (fxopt.analysis.op_times;
 FLOPs where the graph cannot run so), plus what a region costs beyond its ops (per op it holds: measured once,
 fxopt.analysis.region_overhead; per region: on a block of this graph, fxopt.passes._region_calibration, figure
