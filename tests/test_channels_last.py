@@ -78,9 +78,10 @@ class WritesThroughAView(nn.Module):
         return self.conv2(view), view
 
 
-def optimize(model: nn.Module, inputs=IMAGES, passes=PASSES) -> nn.Module:
+def optimize(model: nn.Module, inputs=IMAGES, passes=PASSES, keep: str = "always") -> nn.Module:
+    """`model` in float64 optimized with the pass kept as `keep` says (these nets are too small to gain from it)."""
     model = model.double().eval()
-    optimized = fxopt.optimize(model, inputs, mode="inference", passes=passes)
+    optimized = fxopt.optimize(model, inputs, mode="inference", passes=passes, channels_last=keep)
     assert_same_step(model, optimized, inputs, training=False, rtol=1e-12, atol=1e-12)
     with torch.no_grad():
         for ours, eager in zip(_tensors(optimized(*inputs)), _tensors(model(*inputs))):
@@ -167,3 +168,31 @@ def test_training_mode_is_refused_by_name():
     """The pass runs in inference only: naming it for training is a clear error."""
     with pytest.raises(FxoptError, match="does not run in training mode"):
         fxopt.optimize(ConvNet().double(), IMAGES, mode="training", passes=PASSES)
+
+
+def test_kept_only_when_faster():
+    """By default the rewrite is timed against the original and kept only if faster: on a small net whose one
+    convolution feeds a flatten the copies cost more, so it is refused with both times, and the graph is the
+    original's; a bad value of the option is a clear error before anything is captured."""
+    optimized = optimize(ConvNet("flatten"), keep="when_faster")
+    report = optimized.fxopt_report["channels_last"]
+    before, after = report.figures["forward_ms"]["before"], report.figures["forward_ms"]["after"]
+    if after >= before:
+        assert report.stats == {"refused_not_faster": 1} and _clones(optimized, torch.channels_last) == 0
+    else:
+        assert report.stats == {"converted": 1} and _clones(optimized, torch.channels_last) == 1
+    with pytest.raises(FxoptError, match="channels_last='sometimes': expected one of 'when_faster', 'always'"):
+        fxopt.optimize(ConvNet("flatten").double().eval(), IMAGES, mode="inference", passes=PASSES,
+                       channels_last="sometimes")
+
+
+def test_timing_chooses_the_faster_graph(monkeypatch):
+    """Whatever the clock says decides: a rewrite timed slower is undone (the module runs the original code again),
+    one timed faster is kept."""
+    import fxopt.passes.channels_last as channels_last
+
+    for times, stats in (([1.0, 2.0], {"refused_not_faster": 1}), ([2.0, 1.0], {"converted": 1})):
+        monkeypatch.setattr(channels_last, "graph_seconds", lambda graphs, t=times: t)
+        optimized = optimize(ConvNet("flatten"), keep="when_faster")
+        assert optimized.fxopt_report["channels_last"].stats == stats
+        assert ("channels_last" in optimized.graph_module.code) == ("converted" in stats)

@@ -75,6 +75,8 @@ MORE_BAD_MODELS = {
     "constructor_raises": (["inspect", f"{TINY}:ExplodingInit", *IMAGE], "RuntimeError: no weights file found"),
     "model_without_attr": (["inspect", TINY, *IMAGE], "MODEL must be 'package.module:attr'"),
     "no_passes": (["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--passes", ","], "--passes needs at least one"),
+    "channels_last_in_training": (["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--mode", "training",
+                                   "--channels-last", "always"], "option 'channels_last' is not taken"),
 }
 
 
@@ -114,6 +116,7 @@ def test_passes_json(runs):
     assert rows["fold_conv_bn"]["modes"] == ["inference", "training"]
     assert "memory_budget" in rows["checkpoint_activations"]["options"]
     assert rows["checkpoint_activations"]["default_in"] == ["training (with memory_budget)"]
+    assert rows["channels_last"]["options"]["channels_last"]["values"] == ["when_faster", "always"]
     assert all(r["summary"] for r in rows.values())
 
 
@@ -243,3 +246,9 @@ def test_console_script():
     """The `fxopt` console script declared in pyproject runs the same command line."""
     result = subprocess.run(["fxopt", "passes"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "fold_conv_bn" in result.stdout
+
+
+def test_channels_last_always_keeps_the_rewrite(capsys):
+    """`--channels-last always` keeps channels_last's rewrite without timing it."""
+    assert main(["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--channels-last", "always", "--pass", "channels_last"]) == 0
+    assert "converted" in capsys.readouterr().out

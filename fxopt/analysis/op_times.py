@@ -12,6 +12,9 @@ processes' work (HF BERT's nodes summed to 2.5x its real forward). FLOPs (fxopt.
 price a layer norm, a softmax or a dropout at nothing; on a real model those memory-bound ops
 are a large part of what recomputation costs, which only a clock sees.
 
+`graph_seconds(graphs)` times whole graphs against each other the same way: what a rewrite whose gain depends on
+the machine (fxopt.passes.channels_last) is kept by.
+
 It leaves no trace: parameters are only read, buffers (BatchNorm statistics) and the RNG are
 put back (`fxopt.state_preservation`), and the caller's tensors are never inputs.
 A graph that cannot run on such inputs has no timing: None (callers fall back to FLOPs).
@@ -106,3 +109,30 @@ def node_seconds(gm: fx.GraphModule) -> dict[str, float] | None:
     except Exception:  # noqa: BLE001 - data-dependent code or inputs zeros cannot stand for: no timing
         return None
     return {name: min(r[name] for r in runs) for name in runs[-1]}
+
+
+GRAPH_ROUNDS, GRAPH_SECONDS = 5, 1.0  # graph_seconds: at most this many rounds, none begun after this many seconds
+
+
+def graph_seconds(graphs: list[fx.GraphModule]) -> list[float] | None:
+    """The fastest forward of each graph (same placeholders, as a rewrite leaves them) under `torch.no_grad()` on
+    the same real inputs, the graphs taking turns after a warm-up: at least two rounds, at most GRAPH_ROUNDS, none
+    begun after GRAPH_SECONDS. None where the graphs cannot run on such inputs."""
+    clock = step_clock()
+    try:
+        with preserved_state(graphs[0], parameters=False), torch.no_grad():
+            inputs = [real_like(v) for v in placeholder_values(graphs[0])]
+            for gm in graphs:
+                gm(*inputs)
+            best, start = [float("inf")] * len(graphs), time.perf_counter()
+            for r in range(GRAPH_ROUNDS):
+                if r >= 2 and time.perf_counter() - start > GRAPH_SECONDS:
+                    break
+                for k, gm in enumerate(graphs):
+                    began = clock()
+                    gm(*inputs)
+                    synchronize()
+                    best[k] = min(best[k], clock() - began)
+    except Exception:  # noqa: BLE001 - data-dependent code or inputs zeros cannot stand for: no timing
+        return None
+    return best

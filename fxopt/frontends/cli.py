@@ -44,7 +44,8 @@ def _passes_command(args, out) -> None:
         if name in ONLY_WITH_OPTION and defaults:
             defaults = [f"{m} (with {ONLY_WITH_OPTION[name]})" for m in defaults]
         rows.append({"name": name, "summary": cls.summary, "modes": list(cls.modes),
-                     "options": {opt: {"default": default, "help": text} for opt, (default, text) in cls.options.items()},
+                     "options": {opt: {"default": default, "help": text, **({"values": list(values[0])} if values else {})}
+                                 for opt, (default, text, *values) in cls.options.items()},
                      "default_in": defaults})
     if args.json:
         print(json.dumps(rows, indent=2, default=repr), file=out)
@@ -116,7 +117,8 @@ def _prepare(args, progress):
 
     shapes = [parse_shape(s) for s in args.input_shape]
     dtypes = _dtypes(args)
-    options = {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
+    options = {name: value for name, value in (("memory_budget", args.memory_budget),
+                                               ("channels_last", args.channels_last)) if value is not None}
     _check_options(args, options)
     inputs = make_inputs(shapes, dtypes, args.int_high)
     progress.status(f"loading {args.model}")

@@ -76,6 +76,9 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training only (with --mode training): peak memory of a step for "
                              "checkpoint_activations, as a fraction of the captured step's peak (0.5; 1 = no "
                              "recomputation) or a size with a unit (512MB, 1.5GiB)")
+    parser.add_argument("--channels-last", choices=["when_faster", "always"],
+                        help="inference only: keep channels_last's rewrite only if the graph runs faster so on the "
+                             "example's shapes (when_faster, the default), or always")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the traceback of an error")
 

@@ -99,8 +99,8 @@ class Pass:
     summary: ClassVar[str]
     modes: ClassVar[tuple[str, ...]] = MODES
     reads_captured_graph: ClassVar[bool] = False  # gets the graph as captured in `PassContext.captured`
-    # option name -> (default, one-line help)
-    options: ClassVar[dict[str, tuple[Any, str]]] = {}
+    # option name -> (default, one-line help) or (default, one-line help, the values it may take)
+    options: ClassVar[dict[str, tuple]] = {}
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:  # pragma: no cover
         raise NotImplementedError

@@ -26,6 +26,10 @@ When it does nothing (reason in the report):
   layout_not_restored a tensor leaving the rewritten ops has strides in eager that are not contiguous,
                       so a copy cannot give them back, or it (or a view of it) is written in place,
                       so a copy would take the write or hide it (the graph is left as it was)
+  not_faster          the rewritten graph, timed against the original on real inputs of the example's
+                      shapes (fxopt.analysis.op_times.graph_seconds), is not faster: the copies cost
+                      more than the convolutions gain (a single small convolution before a flatten).
+                      Option `channels_last="always"` keeps the rewrite regardless.
 In training mode and under torch.compile (Inductor picks layouts itself) it does not run.
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..analysis.aliasing import AliasInfo
+from ..analysis.op_times import graph_seconds
 from ..analysis.shapes import FakeRerun, tensor_meta
 from ..analysis.side_effects import MUTATION, effects
 from ..op_names import op_name
@@ -150,6 +155,9 @@ class ChannelsLast(Pass):
     name = "channels_last"
     summary = "Run convolutions on channels-last activations (inference); every other op sees eager's strides."
     modes = (INFERENCE,)
+    options = {"channels_last": ("when_faster", "'when_faster': keep the rewrite only if the graph runs faster so on "
+                                                "inputs of the example's shapes (timed); 'always': keep it",
+                                 ("when_faster", "always"))}
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
@@ -171,19 +179,28 @@ class ChannelsLast(Pass):
         if _fake_mode(gm) is None:
             result.skipped = "the graph's shapes come from a real run, not fake tensors that can be run again"
             return result
+        original = _copy(gm) if self.option(ctx, "channels_last") == "when_faster" else None
         eager_values = {n: tensor_meta(n) for n in gm.graph.nodes}
         eager_meta = {n: n.meta.get("val") for n in gm.graph.nodes}
         added = [self._convert_input(gm.graph, node) for node in inputs]
         wrong = _propagate_and_restore(gm, eager_values, added, aliases)
         if wrong is not None:
-            for node in reversed(added):
-                node.replace_all_uses_with(node.args[0])
-                gm.graph.erase_node(node)
-            for node, val in eager_meta.items():
-                node.meta["val"] = val
+            _undo(gm, added, eager_meta)
             result.record("refused", wrong, "layout_not_restored",
                           "eager gives this tensor strides a copy cannot give back, or an op writes into it in place")
             return result
+        if original is not None:
+            gm.recompile()
+            seconds = graph_seconds([original, gm])
+            if seconds is not None:
+                result.figures["forward_ms"] = {"before": round(seconds[0] * 1e3, 3), "after": round(seconds[1] * 1e3, 3)}
+                if seconds[1] >= seconds[0]:
+                    _undo(gm, added, eager_meta)
+                    gm.recompile()  # the code timed was the rewrite's
+                    for node in inputs:
+                        result.record("refused", node, "not_faster", f"timed on the example's shapes: "
+                                      f"{seconds[1] * 1e3:.3f} ms per forward converted, {seconds[0] * 1e3:.3f} ms as it was")
+                    return result
         for node in inputs:
             result.record("converted", node, detail="copied once to channels-last; convolutions read NHWC from here")
         result.figures["copies_back"] = len(added) - len(inputs)
@@ -195,3 +212,19 @@ class ChannelsLast(Pass):
             copy = graph.call_function(torch.ops.aten.clone.default, (node,), {"memory_format": torch.channels_last})
         node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy and _layout_free(user))
         return copy
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A module running a copy of `gm`'s graph over `gm`'s own parameters and buffers."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _undo(gm: fx.GraphModule, added: list[fx.Node], eager_meta: dict) -> None:
+    """Take the copies out again and give every node back its value from before the rewrite."""
+    for node in reversed(added):
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    for node, val in eager_meta.items():
+        node.meta["val"] = val

@@ -61,4 +61,8 @@ def build_pipeline(mode: str, names, options: dict, *, mode_per_graph: bool = Fa
         raise FxoptError(f"option {stray[0]!r} is not taken by any selected pass "
                          f"({', '.join(p.name for p in passes) or 'none'}); options they take: "
                          f"{', '.join(sorted(accepted)) or 'none'}")
+    for p in passes:
+        for name, (_default, _help, *values) in p.options.items():
+            if values and name in options and options[name] not in values[0]:
+                raise FxoptError(f"{name}={options[name]!r}: expected one of {', '.join(map(repr, values[0]))}")
     return passes
