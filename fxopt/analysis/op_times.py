@@ -116,14 +116,13 @@ GRAPH_ROUNDS, GRAPH_SECONDS = 5, 1.0  # graph_seconds: at most this many rounds,
 
 def graph_seconds(graphs: list[fx.GraphModule]) -> list[float] | None:
     """The fastest forward of each graph (same placeholders, as a rewrite leaves them) under `torch.no_grad()` on
-    the same real inputs, the graphs taking turns after a warm-up: at least two rounds, at most GRAPH_ROUNDS, none
-    begun after GRAPH_SECONDS. None where the graphs cannot run on such inputs."""
+    the same real inputs, the graphs taking turns: at least two rounds (the first pays one-time costs, such as
+    oneDNN's kernels for a new layout; the fastest drops it), at most GRAPH_ROUNDS, none begun after GRAPH_SECONDS.
+    None where the graphs cannot run on such inputs."""
     clock = step_clock()
     try:
         with preserved_state(graphs[0], parameters=False), torch.no_grad():
             inputs = [real_like(v) for v in placeholder_values(graphs[0])]
-            for gm in graphs:
-                gm(*inputs)
             best, start = [float("inf")] * len(graphs), time.perf_counter()
             for r in range(GRAPH_ROUNDS):
                 if r >= 2 and time.perf_counter() - start > GRAPH_SECONDS:
