@@ -1,5 +1,6 @@
 """Copies of models: one that shares no state with it (inference results), and a graph module's
-copy that shares its state but not its graph (`graph_module_copy`).
+copy that shares its state but not its graph (`graph_module_copy`; `graph_snapshot` without deep-copying
+node values).
 
 `independent_copy` tries `copy.deepcopy` first. Some models cannot be deep-copied: a
 `threading.Lock` attribute, a file handle, old-style `torch.nn.utils.weight_norm` (its computed
@@ -16,6 +17,7 @@ import copy
 import torch
 import torch.fx as fx
 
+from . import _torch_private
 from .errors import FxoptError
 
 
@@ -23,6 +25,15 @@ def graph_module_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule running a copy of `gm`'s graph (its own nodes, each with its own `meta` dict) on `gm`'s
     submodules, parameters and buffers (shared, not copied): edit or re-annotate it without touching `gm`."""
     return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def graph_snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` on a copy of its graph (same attributes, codegen, node meta dicts copied but their values shared): the
+    graph as it is now, which later edits of `gm` leave alone."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    _torch_private.set_graph_codegen(graph, _torch_private.graph_codegen(gm.graph))
+    return fx.GraphModule(gm, graph)
 
 
 def independent_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -42,6 +42,7 @@ from ..analysis.aliasing import AliasInfo
 from ..analysis.op_times import graph_seconds
 from ..analysis.shapes import FakeRerun, tensor_meta
 from ..analysis.side_effects import MUTATION, effects
+from ..model_copy import graph_snapshot
 from ..op_names import op_name
 from .base import INFERENCE, Pass, PassContext, PassResult, site_name
 
@@ -179,7 +180,7 @@ class ChannelsLast(Pass):
         if _fake_mode(gm) is None:
             result.skipped = "the graph's shapes come from a real run, not fake tensors that can be run again"
             return result
-        original = _copy(gm) if self.option(ctx, "channels_last") == "when_faster" else None
+        original = graph_snapshot(gm) if self.option(ctx, "channels_last") == "when_faster" else None
         eager_values = {n: tensor_meta(n) for n in gm.graph.nodes}
         eager_meta = {n: n.meta.get("val") for n in gm.graph.nodes}
         added = [self._convert_input(gm.graph, node) for node in inputs]
@@ -212,13 +213,6 @@ class ChannelsLast(Pass):
             copy = graph.call_function(torch.ops.aten.clone.default, (node,), {"memory_format": torch.channels_last})
         node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy and _layout_free(user))
         return copy
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A module running a copy of `gm`'s graph over `gm`'s own parameters and buffers."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
 
 
 def _undo(gm: fx.GraphModule, added: list[fx.Node], eager_meta: dict) -> None:

@@ -77,6 +77,7 @@ from ..capture.naming import module_path
 from ..errors import FxoptError
 from ..graph_functions import importable_name
 from ..guards import TRAIN_MODE, Guard
+from ..model_copy import graph_snapshot
 from ..output_selection import chosen_outputs, parse_differentiable_outputs
 from ._frozen_ops import (call_method_without_grad, call_without_grad, conv_saving_what_grads_need,
                           eval_batch_norm_scale_shift)
@@ -130,7 +131,7 @@ class PruneDeadGrads(Pass):
             self._eliminate_dead_code(gm, result)
             return result
         self._eliminate_dead_code(gm, result)  # first: a dead node's saved tensors are freed at once anyway
-        unchanged = _copy_of(gm)  # its saved bytes are estimated only if the pass rewrites `gm` (fake forwards: slow)
+        unchanged = graph_snapshot(gm)  # its saved bytes are estimated only if the pass rewrites `gm` (fake forwards: slow)
         dead_code_sites = len(result.sites)
         chosen = self._chosen_outputs(gm, ctx, selection, result)
         needs = self._analyze(gm, ctx, chosen)
@@ -345,9 +346,3 @@ def _nbytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if val is not None else 0
 
 
-def _copy_of(gm: fx.GraphModule) -> fx.GraphModule:
-    """`gm` on a copy of its graph (same attributes, codegen, node meta): what later edits of `gm` leave alone."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    _torch_private.set_graph_codegen(graph, _torch_private.graph_codegen(gm.graph))
-    return fx.GraphModule(gm, graph)

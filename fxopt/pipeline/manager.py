@@ -16,18 +16,11 @@ import torch.fx as fx
 from ..analysis.shapes import update_shapes
 from ..capture import CapturedGraph
 from ..errors import FxoptError
+from ..model_copy import graph_snapshot
 from ..passes.base import Pass, PassContext, PassResult
 from .instruments import Instrument
 from .report import PassReport, Report
 from .verify import Verifier
-
-
-def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
-    """The graph as it is now, with its nodes' meta, on the same parameters and submodules (nothing copied but
-    the graph), unchanged by later passes."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
 
 
 def _code_of(graph: fx.Graph) -> list[tuple]:
@@ -45,7 +38,7 @@ class PassManager:
     def run(self, module: torch.nn.Module, graphs: Sequence[CapturedGraph], ctx: PassContext) -> Report:
         report = Report(ctx.mode, graphs=[g.path for g in graphs])
         by_path = {g.path: g.gm for g in graphs}
-        captured = {g.path: _snapshot(g.gm) for g in graphs} if any(p.reads_captured_graph for p in self.passes) else {}
+        captured = {g.path: graph_snapshot(g.gm) for g in graphs} if any(p.reads_captured_graph for p in self.passes) else {}
         for instrument in self.instruments:
             instrument.start(by_path)
         for index, p in enumerate(self.passes, start=1):
