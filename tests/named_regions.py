@@ -17,7 +17,8 @@ def named_regions(profile: StepProfile, bounds, **kind) -> list[Region]:
 def extract_regions(gm: fx.GraphModule, profile: StepProfile, regions: list[Region]) -> None:
     """Move each region's nodes into a CheckpointedRegion of `gm`, named as checkpoint_activations names them."""
     for r in regions:
-        nodes = [s.node for s in profile.steps[r.start:r.stop]]
+        steps = profile.steps[r.start:r.stop]
+        nodes = [s.node for s in steps]
         extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", r.save_counted,
-                       r.replay_dropout)
+                       r.replay_dropout, counted=[s.node for s in steps if s.counted])
     gm.recompile()

@@ -11,7 +11,8 @@ region's first run and its recomputation maps the input with them, bit for bit a
 (fxopt.analysis.batch_norm_replay); any other runs as written on the first run and, in train mode, on
 throwaway copies of the running statistics when recomputed. With `save_counted`, a selective checkpoint policy
 also keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and
-recomputes only the rest. A train-mode dropout on CPU runs as `dropout_once`: the mask its first run
+recomputes only the rest; where every op it keeps is a convolution, the region keeps their outputs itself
+(`convolution_once`, fxopt.analysis.kept_convolutions) and its other ops run without the policy's dispatch mode. A train-mode dropout on CPU runs as `dropout_once`: the mask its first run
 draws is kept, and a recomputation rebuilds the noise from it (fxopt.analysis.dropout_replay).
 
 The body's modules and tensors are the parent graph's own (not registered a second time), so
@@ -27,6 +28,7 @@ import dataclasses
 import functools
 import itertools
 import operator
+from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
@@ -36,6 +38,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..analysis import batch_norm_replay
 from ..analysis.dropout_replay import draw, replay, replayable_dropouts
 from ..analysis.flops import is_counted_op
+from ..analysis.kept_convolutions import ConvolutionArguments, kept_convolution
+from ..analysis.ops import match_conv
 from ..graph_functions import graph_function
 from ..op_names import call_arguments
 
@@ -94,6 +98,44 @@ class _BatchNormReplayingStatistics(torch.autograd.Function):
         return *grads, None, None, None, None, None, None
 
 
+class _ConvolutionKeepingOutput(torch.autograd.Function):
+    """A convolution in a selective region that keeps its own output (fxopt.analysis.kept_convolutions): the first
+    run computes and keeps it (in the run's scratch under `key`), a recomputation hands it back; backward is ATen's
+    convolution_backward over the same saved input and weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, arguments: ConvolutionArguments, key: str, run: RegionRun):
+        if run.first:
+            out = torch.ops.aten.convolution(x, weight, bias, *arguments)
+            run.scratch[key] = (out.detach(), out._version)
+        else:  # taken, not read: from here on the recomputation's graph holds it only as long as it needs it
+            if key not in run.scratch:
+                raise RuntimeError("fxopt: a second backward through a selective checkpointed region (its kept "
+                                   f"output of {key!r} was used by the first): backward through it only once")
+            kept, version = run.scratch.pop(key)
+            if kept._version != version:
+                raise RuntimeError(f"fxopt: the output of convolution {key!r}, kept by a checkpointed region for its "
+                                   "backward, was written in place after the region's forward")
+            out = kept.detach()  # a tensor of its own for this run's autograd graph, on the kept storage
+        ctx.save_for_backward(x, weight)
+        ctx.arguments, ctx.bias_sizes = arguments, None if bias is None else list(bias.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grads = torch.ops.aten.convolution_backward(grad, x, weight, ctx.bias_sizes, *ctx.arguments,
+                                                    list(ctx.needs_input_grad[:3]))
+        return *grads, None, None, None
+
+
+@graph_function(name="convolution")
+def convolution_once(x, weight, bias, arguments: ConvolutionArguments, key: str, run: RegionRun):
+    """A convolution in a selective region, its output computed on the first run only and kept (`key`: its node's
+    name; _ConvolutionKeepingOutput)."""
+    return _ConvolutionKeepingOutput.apply(x, weight, bias, arguments, key, run)
+
+
 @graph_function(name="batch_norm", updates_stats=True)
 def batch_norm_once(x, running_mean, running_var, weight, bias, training, momentum, eps, key: str, run: RegionRun):
     """`F.batch_norm` / `aten.batch_norm` in a region (`key`: its node's name), running statistics updated on the
@@ -116,19 +158,20 @@ def dropout_once(x: torch.Tensor, p: float, key: str, run: RegionRun) -> torch.T
 
 
 class CheckpointedRegion(torch.nn.Module):
-    """Runs `body` under non-reentrant checkpoint; selective (matmul/conv/attention outputs kept) if `save_counted`.
+    """Runs `body` under non-reentrant checkpoint, with a selective checkpoint `policy` if given (torch's
+    `create_selective_checkpoint_contexts`: the op outputs it saves are kept, the rest recomputed).
 
-    A body that runs BatchNorm or replays dropout takes a first argument, the `RegionRun` saying whether
-    this is the first run (the forward) or a recomputation, so running statistics are updated once and
-    dropout noise is drawn once.
+    A body that runs BatchNorm, replays dropout or keeps convolution outputs itself takes a first argument, the
+    `RegionRun` saying whether this is the first run (the forward) or a recomputation, so running statistics are
+    updated once, dropout noise is drawn once and kept convolutions run once.
     """
 
-    def __init__(self, body: fx.GraphModule, save_counted: bool, takes_run: bool):
+    def __init__(self, body: fx.GraphModule, policy, takes_run: bool):
         super().__init__()
         # Held outside the module tree: its modules and tensors are the parent graph's own, so
         # state_dict() and parameters() list nothing twice.
         self.__dict__["body"] = body
-        self.save_counted = save_counted
+        self.policy = policy
         self.takes_run = takes_run
 
     def forward(self, *args):
@@ -137,13 +180,18 @@ class CheckpointedRegion(torch.nn.Module):
             runs, scratch = itertools.count(), {}
             run = lambda *inputs: self.body(RegionRun(next(runs) == 0, scratch), *inputs)  # noqa: E731
 
-        if not self.save_counted:
+        if self.policy is None:
             return checkpoint(run, *args, use_reentrant=False)
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_counted_ops)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, self.policy)
         return checkpoint(run, *args, use_reentrant=False, context_fn=context_fn)
 
     def extra_repr(self) -> str:
-        kind = "selective: matmul/conv/attention outputs saved" if self.save_counted else "recomputes everything"
+        if self.policy is not None:
+            kind = "selective: matmul/conv/attention outputs saved"
+        elif any(n.target is convolution_once for n in self.body.graph.nodes):
+            kind = "selective: convolution outputs kept"
+        else:
+            kind = "recomputes everything"
         return f"{kind}\n{self.body.code.strip()}"
 
 
@@ -190,11 +238,22 @@ def read_outside(nodes: list[fx.Node]) -> list[fx.Node]:
     return [n for n in nodes if any(u not in members for u in n.users)]
 
 
+def convolutions_kept_by_region(counted: Iterable[fx.Node]) -> dict[fx.Node, ConvolutionArguments] | None:
+    """The convolutions a selective region keeps the outputs of itself, with their arguments, when every op it keeps
+    (`counted`: the matmuls, convolutions and attention it holds) is one (kept_convolution); else None: torch's
+    selective checkpoint keeps them."""
+    kept = {node: kept_convolution(node) for node in counted}
+    return None if None in kept.values() else kept
+
+
 def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_counted: bool,
-                   replay_dropout: bool = True) -> fx.Node:
+                   replay_dropout: bool = True, counted: Iterable[fx.Node] | None = None) -> fx.Node:
     """Replace `nodes` (contiguous in graph order) with one call of a CheckpointedRegion; return that call.
-    `replay_dropout`: its CPU dropouts keep their masks (dropout_once), else they draw again. The call (and
-    its items) carry the `meta["val"]` of the outputs they stand for: a region computes the same values.
+    `replay_dropout`: its CPU dropouts keep their masks (dropout_once), else they draw again. A selective region
+    (`save_counted`) keeps the outputs of `counted`, the matmuls, convolutions and attention among `nodes`
+    (Step.counted): itself where all are convolutions (convolutions_kept_by_region), else (or without `counted`)
+    by torch's selective checkpoint policy. The call (and its items) carry the `meta["val"]` of the outputs they
+    stand for: a region computes the same values.
 
     Lone state updates among them (is_lone_state_update) move in front of the call, run once."""
     updates = [n for n in nodes if is_lone_state_update(n)]
@@ -204,22 +263,28 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
     body = fx.Graph()
     batch_norms = {n for n in nodes if can_recompute_batch_norm(n)}
     dropouts = replayable_dropouts(nodes) if replay_dropout else {}
-    run = body.placeholder("run") if batch_norms or dropouts else None
+    convolutions = convolutions_kept_by_region(counted) if save_counted and counted is not None else None
+    run = body.placeholder("run") if batch_norms or dropouts or convolutions else None
     env = inputs_of_graph(body, nodes)
     inputs = [a for a in env if a.op != "get_attr"]
     for node in nodes:
         if node in batch_norms:
             env[node] = _batch_norm_once_call(body, node, env, run)
-            env[node].meta.update(node.meta)
         elif node in dropouts:
             env[node] = body.call_function(dropout_once, (env[node.all_input_nodes[0]], dropouts[node], node.name, run))
-            env[node].meta.update(node.meta)
+        elif convolutions and node in convolutions:
+            conv = match_conv(node)
+            env[node] = body.call_function(convolution_once, (env[conv.input], env[conv.weight],
+                                                              env[conv.bias] if conv.bias is not None else None,
+                                                              tuple(convolutions[node]), node.name, run))
         else:
             env[node] = body.node_copy(node, lambda a: env[a])
+        env[node].meta.update(node.meta)
     outputs = read_outside(nodes)
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
-    gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, "Region"), save_counted,
-                                                  bool(batch_norms or dropouts)))
+    policy = _save_counted_ops if save_counted and convolutions is None else None
+    gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, "Region"), policy,
+                                              bool(batch_norms or dropouts or convolutions)))
     with gm.graph.inserting_before(nodes[0]):
         call = gm.graph.call_module(name, tuple(inputs))
         vals = [out.meta.get("val") for out in outputs]  # the same values as before, so the same shapes

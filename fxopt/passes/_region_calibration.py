@@ -64,13 +64,15 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, li
 def calibrated_overhead(gm: fx.GraphModule, profile: StepProfile, span: Region) -> RegionOverhead | None:
     """The profile's overhead with each kind's per-region part measured on the graph's block `span` (see module
     docstring); None where the block cannot run on such tensors."""
-    nodes = [s.node for s in profile.steps[span.start:span.stop]]
+    steps = profile.steps[span.start:span.stop]
+    nodes = [s.node for s in steps]
     variants = {}
     for kind in ("plain", "whole", "selective"):
         block, examples = _block(gm, nodes)
         if kind != "plain":
-            calls = [n for n in block.graph.nodes if n.op == "call_function"]
-            extract_region(block, calls, "region", kind == "selective")
+            calls = [n for n in block.graph.nodes if n.op == "call_function"]  # the copies of `nodes`, in order
+            extract_region(block, calls, "region", kind == "selective",
+                           counted=[call for call, s in zip(calls, steps) if s.counted])
             block.recompile()
         variants[kind] = block
     clock, times = step_clock(), {kind: [] for kind in variants}
@@ -88,11 +90,11 @@ def calibrated_overhead(gm: fx.GraphModule, profile: StepProfile, span: Region) 
                     times[kind].append(clock() - start)
     except Exception:  # noqa: BLE001 - a block zeros or random values cannot stand for: keep the chain's prices
         return None
-    plain, o = statistics.median(times["plain"][1:]), profile.overhead
-    per_region = {}
-    for kind, per_op in (("whole", o.per_op), ("selective", o.selective_per_op)):
+    plain, per_region = statistics.median(times["plain"][1:]), {}
+    for kind in ("whole", "selective"):
         region = span._replace(save_counted=kind == "selective")
         recomputed = (profile.region_cost(region) - profile.overhead_ns(region)) / 1e9
         extra = statistics.median(times[kind][1:]) - plain - recomputed
-        per_region[kind] = max(0.0, extra - per_op * (span.stop - span.start))
-    return dataclasses.replace(o, per_region=per_region["whole"], selective_per_region=per_region["selective"])
+        per_region[kind] = max(0.0, extra - profile.overhead_per_op(region) * (span.stop - span.start))
+    return dataclasses.replace(profile.overhead, per_region=per_region["whole"],
+                               selective_per_region=per_region["selective"])

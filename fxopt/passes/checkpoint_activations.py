@@ -3,7 +3,9 @@
 What it rewrites: runs of nodes chosen by a cost model move into `CheckpointedRegion`
 submodules (named `checkpointed_<first>_to_<last>`), which run under non-reentrant
 `torch.utils.checkpoint`; a region is either recomputed whole, or selectively (its matmul, conv
-and attention outputs are kept, only the cheap ops between them are recomputed)::
+and attention outputs are kept, only the cheap ops between them are recomputed: by torch's selective
+checkpoint policy, or, where all it keeps are convolutions, by the region itself, which spares every
+op the policy's dispatch mode: fxopt.analysis.kept_convolutions)::
 
     a = fc1(x); b = norm(a); c = gelu(b); d = drop(c); e = fc2(d); ...
   becomes (budget 0.5 on a deep MLP)
@@ -268,9 +270,11 @@ class CheckpointActivations(Pass):
         after = estimate(profile, regions)
         names, shapes_kept = [], True
         for region in regions:
-            nodes = [s.node for s in profile.steps[region.start:region.stop]]
+            steps = profile.steps[region.start:region.stop]
+            nodes = [s.node for s in steps]
             name = _region_name(gm, profile, region)
-            call = extract_region(gm, nodes, name, region.save_counted, region.replay_dropout)
+            call = extract_region(gm, nodes, name, region.save_counted, region.replay_dropout,
+                                  counted=[s.node for s in steps if s.counted])
             kind_text = "selective (matmul/conv/attention outputs kept)" if region.save_counted else "whole"
             if profile.has_replayable_dropout(region):
                 kind_text += ", dropout masks kept" if region.replay_dropout else ", dropout drawn again"
