@@ -192,6 +192,36 @@ def test_region_calibration_leaves_no_trace():
     assert torch.equal(rng, torch.get_rng_state())
 
 
+def test_region_calibration_differentiates_the_weights():
+    """Every block the calibration times computes its convolutions' weight gradients, as a training step does: a
+    region's kept convolution always does, so a block differentiating its inputs alone priced it too dear."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fxopt.analysis.memory import step_profile
+    from fxopt.passes._checkpoint_plan import region_boundaries
+    from fxopt.passes._region_calibration import calibrated_overhead, calibration_span
+
+    class WeightGradients(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.masks = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.convolution_backward.default:
+                self.masks.append(args[-1][1])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model, x = _conv_bn_dropout_blocks(), torch.randn(2, 3, 32, 32)
+    gm = exported_graph(model, (x,))
+    profile = step_profile(gm, timed=True)
+    span = calibration_span(profile, sorted(region_boundaries(profile)), [True] * len(profile.steps),
+                            lambda region: True)
+    with WeightGradients() as recorded:
+        assert calibrated_overhead(gm, profile, span) is not None
+    assert recorded.masks and all(recorded.masks)
+
+
 def test_a_timed_plan_reports_the_region_overhead_it_measured():
     """checkpoint_activations prices regions by a block of the graph and reports what it measured, in ms a region."""
     torch.manual_seed(0)
