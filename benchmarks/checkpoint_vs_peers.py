@@ -16,10 +16,13 @@ one training step per variant:
   compile 0.5      torch.compile(backend="aot_eager") with activation_memory_budget=0.5 (--compile)
 
 Peak = the allocator's live bytes during one step (`fxopt.measure.measure_allocator_peak`, after a
-warm-up step; parameter gradients exist before it), as a ratio of eager's. Step time = median of
-interleaved rounds (every variant once per round) of the calling thread's CPU time
-(`time.thread_time()`, with `torch.set_num_threads(1)`, so other processes' load on a shared
-machine does not inflate it), as a ratio of eager's. With glibc's default malloc the clock
+warm-up step; parameter gradients exist before it), as a ratio of eager's. Step time: interleaved rounds
+(every variant once per round) of the calling thread's CPU time (`time.thread_time()`, with
+`torch.set_num_threads(1)`, so other processes' load on a shared machine does not inflate it); each round's
+step over the same round's eager step (after a round that warms up), the median of those ratios, and in
+brackets their lowest and highest (a machine whose speed drifts moves a round's steps together, so a ratio
+within a round cancels what a ratio of two medians taken over all rounds does not; the brackets show what
+noise is left). With glibc's default malloc the clock
 also counts the page faults of memory the heap gave back to the OS and takes again (HF MobileNetV2,
 batch 4: ~50,000 minor faults per eager step, a third of its time, and fewer under checkpointing,
 whose peak is lower); --steady-heap keeps freed memory in the heap (mallopt: no mmap for large blocks,
@@ -144,14 +147,21 @@ def run_model(name, factory, x, blocks_path, rounds, with_compile):
             peaks["compile 0.5"] = _peak(compiled, base, x)
             variants["compile 0.5"] = (compiled, base)
     times = {k: [] for k in variants}
-    for _ in range(rounds):
+    for r in range(rounds + 1):  # the first round warms up (eager's step right after optimize() ran slower)
         for k, (f, m) in variants.items():
-            times[k].append(_timed(f, m, x))
+            t = _timed(f, m, x)
+            if r:
+                times[k].append(t)
     eager_t, eager_p = statistics.median(times["eager"]), peaks["eager"]
-    return [[name, k, f"{peaks[k] / eager_p:.2f}x", f"{peaks[k] / 1e6:.1f}",
-             f"{statistics.median(times[k]) / eager_t:.2f}x"]
+    return [[name, k, f"{peaks[k] / eager_p:.2f}x", f"{peaks[k] / 1e6:.1f}", _step_ratio(times[k], times["eager"])]
             + ([f"{optimize_s[k]:.1f}", f"{optimize_cpu_s[k] / eager_t:.1f}"] if k in optimize_s else [])
             for k in variants]
+
+
+def _step_ratio(times: list[float], eager_times: list[float]) -> str:
+    """The median over rounds of a variant's step over eager's in the same round, with the lowest and highest."""
+    ratios = [t / e for t, e in zip(times, eager_times)]
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
 
 
 def _steady_heap() -> None:
