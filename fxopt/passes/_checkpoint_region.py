@@ -185,14 +185,17 @@ class CheckpointedRegion(torch.nn.Module):
         context_fn = functools.partial(create_selective_checkpoint_contexts, self.policy)
         return checkpoint(run, *args, use_reentrant=False, context_fn=context_fn)
 
-    def extra_repr(self) -> str:
+    @property
+    def kind(self) -> str:
+        """What the region keeps, in words."""
         if self.policy is not None:
-            kind = "selective: matmul/conv/attention outputs saved"
-        elif any(n.target is convolution_once for n in self.body.graph.nodes):
-            kind = "selective: convolution outputs kept"
-        else:
-            kind = "recomputes everything"
-        return f"{kind}\n{self.body.code.strip()}"
+            return "selective (matmul/conv/attention outputs kept by torch's selective checkpoint policy)"
+        if any(n.target is convolution_once for n in self.body.graph.nodes):
+            return "selective (convolution outputs kept by the region)"
+        return "whole"
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}\n{self.body.code.strip()}"
 
 
 def functional_batch_norm_args(node: fx.Node) -> dict | None:

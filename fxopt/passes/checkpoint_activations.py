@@ -275,7 +275,7 @@ class CheckpointActivations(Pass):
             name = _region_name(gm, profile, region)
             call = extract_region(gm, nodes, name, region.save_counted, region.replay_dropout,
                                   counted=[s.node for s in steps if s.counted])
-            kind_text = "selective (matmul/conv/attention outputs kept)" if region.save_counted else "whole"
+            kind_text = gm.get_submodule(name).kind
             if profile.has_replayable_dropout(region):
                 kind_text += ", dropout masks kept" if region.replay_dropout else ", dropout drawn again"
             result.record("checkpointed", call, detail=f"{len(nodes)} nodes {nodes[0].name}..{nodes[-1].name}, "
