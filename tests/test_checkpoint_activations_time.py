@@ -168,12 +168,11 @@ def _conv_bn_dropout_blocks() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 1), *blocks).train()
 
 
-def test_region_calibration_leaves_no_trace():
-    """Timing regions on a block of the graph itself gives each kind a per-region overhead (at least 0) and leaves
-    parameters, their gradients, BatchNorm statistics and the RNG as they were."""
+def _calibration_block():
+    """(graph, its timed profile, the block calibration would time) of four Conv-BN-ReLU-Dropout blocks."""
     from fxopt.analysis.memory import step_profile
     from fxopt.passes._checkpoint_plan import region_boundaries
-    from fxopt.passes._region_calibration import calibrated_overhead, calibration_span
+    from fxopt.passes._region_calibration import calibration_span
 
     torch.manual_seed(0)
     model, x = _conv_bn_dropout_blocks(), torch.randn(2, 3, 32, 32)
@@ -181,10 +180,20 @@ def test_region_calibration_leaves_no_trace():
     profile = step_profile(gm, timed=True)
     span = calibration_span(profile, sorted(region_boundaries(profile)), [True] * len(profile.steps),
                             lambda region: True)
+    assert span is not None
+    return gm, profile, span
+
+
+def test_region_calibration_leaves_no_trace():
+    """Timing regions on a block of the graph itself gives each kind a per-region overhead (at least 0) and leaves
+    parameters, their gradients, BatchNorm statistics and the RNG as they were."""
+    from fxopt.passes._region_calibration import calibrated_overhead
+
+    gm, profile, span = _calibration_block()
     state = {k: v.clone() for k, v in gm.state_dict().items()}
     rng = torch.get_rng_state()
     overhead = calibrated_overhead(gm, profile, span)
-    assert span is not None and overhead is not None
+    assert overhead is not None
     assert overhead.per_region >= 0 and overhead.selective_per_region >= 0
     assert (overhead.per_op, overhead.selective_per_op) == (profile.overhead.per_op, profile.overhead.selective_per_op)
     assert all(torch.equal(state[k], v) for k, v in gm.state_dict().items())
@@ -197,9 +206,7 @@ def test_region_calibration_differentiates_the_weights():
     region's kept convolution always does, so a block differentiating its inputs alone priced it too dear."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fxopt.analysis.memory import step_profile
-    from fxopt.passes._checkpoint_plan import region_boundaries
-    from fxopt.passes._region_calibration import calibrated_overhead, calibration_span
+    from fxopt.passes._region_calibration import calibrated_overhead
 
     class WeightGradients(TorchDispatchMode):
         def __init__(self):
@@ -211,12 +218,7 @@ def test_region_calibration_differentiates_the_weights():
                 self.masks.append(args[-1][1])
             return func(*args, **(kwargs or {}))
 
-    torch.manual_seed(0)
-    model, x = _conv_bn_dropout_blocks(), torch.randn(2, 3, 32, 32)
-    gm = exported_graph(model, (x,))
-    profile = step_profile(gm, timed=True)
-    span = calibration_span(profile, sorted(region_boundaries(profile)), [True] * len(profile.steps),
-                            lambda region: True)
+    gm, profile, span = _calibration_block()
     with WeightGradients() as recorded:
         assert calibrated_overhead(gm, profile, span) is not None
     assert recorded.masks and all(recorded.masks)
