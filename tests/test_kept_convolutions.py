@@ -85,6 +85,18 @@ def test_step_is_bit_exact_in_float32(kind, channels_last):
     assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == []
 
 
+def test_autocast_matches_eager():
+    """Called under bfloat16 autocast, the region's convolutions run as the model's did (autocast casts their inputs),
+    so two steps give eager's outputs, gradients and statistics bit for bit."""
+    torch.manual_seed(0)
+    model, x = _Convolutions(LAYERS["conv2d"][0]).train(), torch.randn(2, 8, 10, 10)
+    opt = _one_selective_region(model, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = _steps(model, x), _steps(opt, x)
+    assert expected["output"].dtype == torch.bfloat16
+    assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == []
+
+
 def test_eval_mode_matches_in_float64():
     """With its BatchNorms in eval mode the region still gives eager's outputs and gradients."""
     torch.manual_seed(0)

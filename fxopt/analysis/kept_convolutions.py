@@ -43,11 +43,12 @@ def _spelled_out(value, dims: int) -> list[int] | None:
 
 def kept_convolution(node: fx.Node) -> ConvolutionArguments | None:
     """The arguments with which a selective region runs `node` keeping its output itself (module docstring), or
-    None where it cannot: not a convolution, an unbatched input, or arguments that are not plain numbers."""
+    None where it cannot: not a convolution, tensors that are not graph nodes, an unbatched input, or arguments that
+    are not plain numbers."""
     conv = match_conv(node)
-    if conv is None:
+    if conv is None or not all(isinstance(a, fx.Node) for a in (conv.input, conv.weight, conv.bias) if a is not None):
         return None
-    x = tensor_meta(conv.input) if isinstance(conv.input, fx.Node) else None
+    x = tensor_meta(conv.input)
     if x is None or x.dim() != conv.spatial_dims + 2 or not isinstance(conv.groups, int):
         return None
     lists = [_spelled_out(getattr(conv, name), conv.spatial_dims)

@@ -130,9 +130,14 @@ class _ConvolutionKeepingOutput(torch.autograd.Function):
 
 
 @graph_function(name="convolution")
-def convolution_once(x, weight, bias, arguments: ConvolutionArguments, key: str, run: RegionRun):
+def convolution_once(x, weight, bias, arguments: ConvolutionArguments, key: str, run: RegionRun, original: tuple):
     """A convolution in a selective region, its output computed on the first run only and kept (`key`: its node's
-    name; _ConvolutionKeepingOutput)."""
+    name; _ConvolutionKeepingOutput). Under autocast it runs as the node did (`original`: its target, args and
+    kwargs), recomputed with the rest: autocast casts the inputs of `aten.conv2d` and its kind, not of the
+    `aten.convolution` the Function calls."""
+    if torch.is_autocast_enabled(x.device.type):
+        target, args, kwargs = original
+        return target(*args, **kwargs)
     return _ConvolutionKeepingOutput.apply(x, weight, bias, arguments, key, run)
 
 
@@ -276,10 +281,10 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
         elif node in dropouts:
             env[node] = body.call_function(dropout_once, (env[node.all_input_nodes[0]], dropouts[node], node.name, run))
         elif convolutions and node in convolutions:
-            conv = match_conv(node)
+            conv, original = match_conv(node), fx.map_arg((node.target, node.args, node.kwargs), lambda a: env[a])
             env[node] = body.call_function(convolution_once, (env[conv.input], env[conv.weight],
                                                               env[conv.bias] if conv.bias is not None else None,
-                                                              tuple(convolutions[node]), node.name, run))
+                                                              tuple(convolutions[node]), node.name, run, original))
         else:
             env[node] = body.node_copy(node, lambda a: env[a])
         env[node].meta.update(node.meta)
