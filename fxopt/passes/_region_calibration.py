@@ -68,14 +68,14 @@ def calibrated_overhead(gm: fx.GraphModule, profile: StepProfile, span: Region) 
     """The profile's overhead with each kind's per-region part measured on the graph's block `span` (see module
     docstring); None where the block cannot run on such tensors."""
     steps = profile.steps[span.start:span.stop]
-    nodes = [s.node for s in steps]
+    nodes, counted = [s.node for s in steps], {s.node.name for s in steps if s.counted}
     variants = {}
     for kind in ("plain", "whole", "selective"):
         block, examples = _block(gm, nodes)
         if kind != "plain":
-            calls = [n for n in block.graph.nodes if n.op == "call_function"]  # the copies of `nodes`, in order
+            calls = [n for n in block.graph.nodes if n.op == "call_function"]  # copies of `nodes`, under their names
             extract_region(block, calls, "region", kind == "selective",
-                           counted=[call for call, s in zip(calls, steps) if s.counted])
+                           counted=[call for call in calls if call.name in counted])
             block.recompile()
         variants[kind] = block
     clock, times = step_clock(), {kind: [] for kind in variants}
