@@ -5,7 +5,8 @@ that code with `symbolic_trace`. On an exported graph that retrace silently chan
 model computes: it runs through `wrap_with_autocast` / `wrap_with_set_grad_enabled` regions
 (an autocast output comes back float32) and drops in-place writes to buffers. So fxopt's
 GraphModules pickle the graph itself (nodes, targets, the pytree call structure; node meta
-without example values) and are rebuilt from it on load, no tracing. Loading needs
+without example values; operators, which do not pickle, by name, also where an argument is one)
+and are rebuilt from it on load, no tracing. Loading needs
 `torch.load(path, weights_only=False)` (the file holds modules, not only tensors) and fxopt
 importable.
 
@@ -58,7 +59,7 @@ def _reference(value):
         return _NodeRef(value.name)
     if isinstance(value, torch.memory_format):
         return _MemoryFormatRef(str(value).removeprefix("torch."))
-    return value
+    return _torch_private.op_reference(value)  # an operator passed as an argument (a kept convolution's own op)
 
 
 def _graph_records(graph: fx.Graph) -> list[tuple]:
@@ -85,7 +86,7 @@ def _rebuild(state: dict, records: list[tuple], codegen) -> fx.GraphModule:
     def node_of(value):
         if isinstance(value, _MemoryFormatRef):
             return getattr(torch, value.name)
-        return nodes[value.name] if isinstance(value, _NodeRef) else value
+        return nodes[value.name] if isinstance(value, _NodeRef) else _torch_private.op_from_reference(value)
 
     for op, name, target, args, kwargs, meta in records:
         node = graph.create_node(op, _torch_private.op_from_reference(target), fx.node.map_aggregate(args, node_of),
