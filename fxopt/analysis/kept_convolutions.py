@@ -10,10 +10,12 @@ input and weight, the call autograd's own convolution node makes, so gradients c
 region's other ops run at full speed under a plain checkpoint.
 
 `kept_convolution(node)` gives the arguments of such a convolution (a batched one whose padding is numbers, not
-"same"/"valid"), or None.
+"same"/"valid"), or None; `convolutions_kept_by_region(counted)` says whether a region keeps its ops' outputs so,
+the one rule both the region (fxopt.passes._checkpoint_region) and its price (fxopt.analysis.memory) follow.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch.fx as fx
@@ -57,3 +59,11 @@ def kept_convolution(node: fx.Node) -> ConvolutionArguments | None:
         return None
     stride, padding, dilation, output_padding = lists
     return ConvolutionArguments(stride, padding, dilation, conv.transposed, output_padding, conv.groups)
+
+
+def convolutions_kept_by_region(counted: Iterable[fx.Node]) -> dict[fx.Node, ConvolutionArguments] | None:
+    """The convolutions a selective region keeps the outputs of itself, with their arguments, when every op it keeps
+    (`counted`: the matmuls, convolutions and attention it holds) is one (kept_convolution); else None: torch's
+    selective checkpoint keeps them."""
+    kept = {node: kept_convolution(node) for node in counted}
+    return None if None in kept.values() else kept

@@ -217,7 +217,7 @@ class StepProfile:
     def overhead_per_op(self, r: Region) -> float:
         """Seconds the region adds per op it holds: a selective one that keeps other ops than convolutions runs every
         op through torch's selective checkpoint dispatch mode (fxopt.analysis.kept_convolutions)."""
-        dispatched = r.save_counted and self._sum(self._counted_not_kept_prefix, r) > 0
+        dispatched = r.save_counted and self._sum(self._counted_not_kept_prefix, r) > 0  # convolutions_kept_by_region
         return self.overhead.selective_per_op if dispatched else self.overhead.per_op
 
     def has_replayable_dropout(self, r: Region) -> bool:

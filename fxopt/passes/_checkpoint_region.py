@@ -38,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..analysis import batch_norm_replay
 from ..analysis.dropout_replay import draw, replay, replayable_dropouts
 from ..analysis.flops import is_counted_op
-from ..analysis.kept_convolutions import ConvolutionArguments, kept_convolution
+from ..analysis.kept_convolutions import ConvolutionArguments, convolutions_kept_by_region
 from ..analysis.ops import match_conv
 from ..graph_functions import graph_function
 from ..op_names import call_arguments
@@ -244,14 +244,6 @@ def read_outside(nodes: list[fx.Node]) -> list[fx.Node]:
     """Those of `nodes` a node outside them reads: what a graph of them returns."""
     members = set(nodes)
     return [n for n in nodes if any(u not in members for u in n.users)]
-
-
-def convolutions_kept_by_region(counted: Iterable[fx.Node]) -> dict[fx.Node, ConvolutionArguments] | None:
-    """The convolutions a selective region keeps the outputs of itself, with their arguments, when every op it keeps
-    (`counted`: the matmuls, convolutions and attention it holds) is one (kept_convolution); else None: torch's
-    selective checkpoint keeps them."""
-    kept = {node: kept_convolution(node) for node in counted}
-    return None if None in kept.values() else kept
 
 
 def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_counted: bool,
