@@ -12,8 +12,8 @@ region's first run and its recomputation maps the input with them, bit for bit a
 throwaway copies of the running statistics when recomputed. With `save_counted`, a selective checkpoint policy
 also keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and
 recomputes only the rest; where every op it keeps is a convolution, the region keeps their outputs itself
-(`convolution_once`, fxopt.analysis.kept_convolutions) and its other ops run without the policy's dispatch mode. A train-mode dropout on CPU runs as `dropout_once`: the mask its first run
-draws is kept, and a recomputation rebuilds the noise from it (fxopt.analysis.dropout_replay).
+(`convolution_once`, fxopt.analysis.kept_convolutions) and its other ops run without the policy's dispatch
+mode. A train-mode dropout on CPU runs as `dropout_once`: the mask its first run draws is kept, and a recomputation rebuilds the noise from it (fxopt.analysis.dropout_replay).
 
 The body's modules and tensors are the parent graph's own (not registered a second time), so
 `state_dict()` keeps the original keys. Before / after::
