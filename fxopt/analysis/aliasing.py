@@ -78,6 +78,7 @@ class AliasInfo:
         self.gm = gm
         self._order = {node: i for i, node in enumerate(gm.graph.nodes)}
         self._parent: dict[fx.Node, fx.Node] = {}
+        self._groups: dict[fx.Node, list[fx.Node]] | None = None  # root -> its group in graph order; made on demand
         by_storage: dict[int, fx.Node] = {}
         for node in gm.graph.nodes:
             self._parent[node] = node
@@ -105,11 +106,15 @@ class AliasInfo:
         self._parent.setdefault(a, a)
         self._parent.setdefault(b, b)
         self._parent[self._root(a)] = self._root(b)
+        self._groups = None
 
     def aliases(self, node: fx.Node) -> list[fx.Node]:
         """Every node of the graph that may share storage with `node` (itself included), in graph order."""
-        root = self._root(node)
-        return [n for n in self._order if self._root(n) is root]
+        if self._groups is None:  # one pass over the graph for every later call until the next merge
+            self._groups = {}
+            for n in self._order:
+                self._groups.setdefault(self._root(n), []).append(n)
+        return list(self._groups.get(self._root(node), ()))
 
     def value_reads_after(self, node: fx.Node, position: fx.Node) -> list[fx.Node]:
         """Users of `node` after `position` in the graph that read its values (not just its shape).
