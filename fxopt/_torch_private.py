@@ -618,6 +618,14 @@ def set_graph_codegen(graph, codegen) -> None:
     graph._codegen = codegen
 
 
+def lazily_compiled_graph_module(root, graph):
+    """A GraphModule of `graph` on `root`'s attributes that generates its Python code only when first called or
+    its code is read (torch.fx's _LazyGraphModule, which Inductor uses for graphs it may never run)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
+
+
 def add_deepcopy_hook(gm, hook) -> None:
     """Call `hook(copy)` on every deep copy of GraphModule `gm` (once, however often this is called)."""
     if hook not in getattr(gm, "_deepcopy_hooks", []):

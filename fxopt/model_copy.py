@@ -29,11 +29,12 @@ def graph_module_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 def graph_snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     """`gm` on a copy of its graph (same attributes, codegen, node meta dicts copied but their values shared): the
-    graph as it is now, which later edits of `gm` leave alone."""
+    graph as it is now, which later edits of `gm` leave alone. Its code is generated when first needed: most
+    snapshots are only analysed, never run (HF MobileNetV2: 10-25 ms a snapshot saved)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     _torch_private.set_graph_codegen(graph, _torch_private.graph_codegen(gm.graph))
-    return fx.GraphModule(gm, graph)
+    return _torch_private.lazily_compiled_graph_module(gm, graph)
 
 
 def independent_copy(model: torch.nn.Module) -> torch.nn.Module:

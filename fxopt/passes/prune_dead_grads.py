@@ -139,10 +139,10 @@ class PruneDeadGrads(Pass):
         self._run_without_grad(gm, needs, result)
         self._detach_outputs(gm, needs, chosen, result)
         self._rewrite_frozen(gm, ctx, lambda: self._analyze(gm, ctx, chosen), result)
-        gm.recompile()
         if not any(not s.refused for s in result.sites[dead_code_sites:]):
             result.figures["bytes_no_longer_saved"] = 0  # nothing rewritten: no fake forwards (slow) to tell it
             return result
+        gm.recompile()  # the fake forward below runs it
         before = estimate_saved_bytes(unchanged, placeholder_values(unchanged))
         after = estimate_saved_bytes(gm, placeholder_values(gm))
         if before is not None and after is not None:
