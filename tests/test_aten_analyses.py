@@ -53,6 +53,15 @@ def test_in_place_and_out_results_alias_the_tensor_they_write():
     assert MUTATION in effects(n["add_"], gm) and MUTATION in effects(n["out"], gm)
 
 
+def test_a_merge_after_a_query_joins_the_groups():
+    """Groups read before `merge` (as inplace_relu reads them while it rewrites) include the merged node after it."""
+    gm, n = graph_of(lambda g, x, y, b: {"clone": g.call_function(aten.clone.default, (y,))})
+    aliases = AliasInfo(gm)
+    x = next(p for p in gm.graph.nodes if p.name == "x")
+    assert n["clone"] not in aliases.aliases(x)
+    aliases.merge(n["clone"], x)
+    assert n["clone"] in aliases.aliases(x) and x in aliases.aliases(n["clone"])
+
 def test_split_returns_several_views():
     """`aten.split` returns a list of views of one tensor: none of them may be written in place."""
     gm, n = graph_of(lambda g, x, y, b: {"split": g.call_function(aten.split.Tensor, (x, 2))})
