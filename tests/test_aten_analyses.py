@@ -53,6 +53,14 @@ def test_in_place_and_out_results_alias_the_tensor_they_write():
     assert MUTATION in effects(n["add_"], gm) and MUTATION in effects(n["out"], gm)
 
 
+@pytest.mark.parametrize("p, train, aliases_input", [(0.5, False, True), (0.0, True, True), (0.5, True, False)])
+def test_dropout_aliases_its_input_when_it_returns_it(p, train, aliases_input):
+    """`aten.dropout` returns its input itself in eval mode or at p=0 (known from its arguments alone), else a new tensor."""
+    gm, n = graph_of(lambda g, x, y, b: {"drop": g.call_function(aten.dropout.default, (x, p, train))})
+    x = next(node for node in gm.graph.nodes if node.name == "x")
+    assert (n["drop"] in AliasInfo(gm).aliases(x)) == aliases_input
+
+
 def test_a_merge_after_a_query_joins_the_groups():
     """Groups read before `merge` (as inplace_relu reads them while it rewrites) include the merged node after it."""
     gm, n = graph_of(lambda g, x, y, b: {"clone": g.call_function(aten.clone.default, (y,))})

@@ -63,6 +63,35 @@ def test_training_drops_only_eval_dropout():
     assert dropouts == ["aten.dropout.default(linear, 0.5, True)"]
 
 
+class ZeroProbabilityDropout(nn.Module):
+    """A p=0 dropout module (ViT's default configuration) beside a p=0.5 one."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.still = nn.Dropout(0.0)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(torch.relu(self.still(self.fc(x))))
+
+
+def test_training_drops_zero_probability_dropout():
+    """In training, a p=0 dropout returns its input (ATen draws nothing for it), so it is removed; p=0.5 stays."""
+    optimized = check_same(ZeroProbabilityDropout(), FEATURES, "training")
+    assert optimized.fxopt_report["drop_eval_dropout"].stats["dropped"] == 1
+    dropouts = re.findall(r"aten\.dropout\.default\([^)]*\)", code(optimized))
+    assert dropouts == ["aten.dropout.default(relu, 0.5, True)"]
+
+
+def test_zero_probability_dropout_draws_nothing():
+    """The premise of removing it: in training, ATen's p=0 dropout returns its input itself and leaves the RNG alone."""
+    x = torch.randn(4, 4, requires_grad=True)
+    state = torch.get_rng_state()
+    assert torch.dropout(x, 0.0, True) is x and F.dropout(x, 0.0, training=True) is x
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_second_run_changes_nothing():
     """Running the pass again on its own output finds no dropout left to drop."""
     gm = check_same(MLPWithDropout(), FEATURES, "inference").graph_module
@@ -73,7 +102,7 @@ def test_second_run_changes_nothing():
 
 def test_default_pipelines_drop_before_inplace_relu():
     """Both default pipelines run the pass before inplace_relu (which then sees the real producers), with
-    at most the layout pass between them."""
+    at most the layout pass and checkpoint_activations (which then plans without those steps) between them."""
     for pipeline in DEFAULT_PIPELINES.values():
         between = pipeline[pipeline.index("drop_eval_dropout") + 1:pipeline.index("inplace_relu")]
-        assert set(between) <= {"channels_last"}
+        assert set(between) <= {"channels_last", "checkpoint_activations"}

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..op_names import is_inplace_op, op_name
-from .saved_tensors import dropout_training, is_known_op
+from .saved_tensors import dropout_returns_input, is_known_op
 from .shapes import tensor_meta
 
 # Ops whose output is (or may be) a view of, or the same tensor as, their first tensor input.
@@ -63,7 +63,7 @@ def aliased_inputs(node: fx.Node) -> list[fx.Node]:
     name = op_name(node)
     inputs = [n for n in node.all_input_nodes if not is_metadata_read(n)]
     if name == "dropout":
-        return [] if dropout_training(node) else inputs[:1]
+        return inputs[:1] if dropout_returns_input(node) else []
     aliased = _torch_private.aliased_argument(node.target) if node.op == "call_function" else None
     if aliased is not None:
         value = _torch_private.bind_aten_arguments(node.target, node.args, node.kwargs).get(aliased[0])

@@ -60,12 +60,8 @@ def bool_mask_bytes(node: fx.Node) -> int:
 
 
 def _dropout_mask(node: fx.Node) -> int:
-    """Train-mode dropout keeps its scaled noise (input-sized); eval-mode or p=0 (returns its input) keeps nothing."""
-    return _same_size_as_output(node) if dropout_training(node) and _dropout_p(node) != 0 else 0
-
-
-def _dropout_p(node: fx.Node):
-    return node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    """Train-mode dropout keeps its scaled noise (input-sized); one that returns its input keeps nothing."""
+    return 0 if dropout_returns_input(node) else _same_size_as_output(node)
 
 
 def _layer_norm_statistics(node: fx.Node) -> int:
@@ -186,13 +182,23 @@ def is_known_op(node: fx.Node) -> bool:
     return _rule(node) is not None
 
 
-def dropout_training(node: fx.Node) -> bool:
+def _dropout_training(node: fx.Node) -> bool:
     """Whether a dropout node draws a mask: its `training`/`train` flag is not False.
 
     Assumes `node` is a dropout (op_name == "dropout"); a flag computed in the graph counts as training.
     """
     flag = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
     return flag is not False
+
+
+def dropout_returns_input(node: fx.Node) -> bool:
+    """Whether a dropout node returns its input itself: in eval mode, or with probability 0 (ATen's dropout
+    returns its input before it draws anything: no copy, no random numbers, no autograd node).
+
+    Assumes `node` is a dropout (op_name == "dropout"); a probability computed in the graph counts as nonzero.
+    """
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    return not _dropout_training(node) or (isinstance(p, (int, float)) and p == 0)
 
 
 def _tensor_inputs(node: fx.Node) -> tuple[fx.Node, ...]:

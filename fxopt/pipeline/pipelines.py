@@ -12,8 +12,9 @@ DEFAULT_PIPELINES: dict[str, tuple[str, ...]] = {
                   "inplace_relu"),
     # checkpoint_activations before inplace_relu: an in-place ReLU is a write the planner must keep out of
     # regions (and out of what they keep), while inplace_relu sees a region call as an unknown op and never
-    # writes into its inputs or outputs, so each pass's gain survives the other.
-    "training": ("fold_conv_bn", "prune_dead_grads", "drop_zero_pads", "checkpoint_activations", "drop_eval_dropout",
+    # writes into its inputs or outputs, so each pass's gain survives the other. drop_eval_dropout before
+    # both: a dropout that returns its input is neither a step to plan around nor a producer that hides one.
+    "training": ("fold_conv_bn", "prune_dead_grads", "drop_zero_pads", "drop_eval_dropout", "checkpoint_activations",
                  "inplace_relu"),
 }
 
