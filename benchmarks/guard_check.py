@@ -5,7 +5,7 @@ stack, and times at batch 1 what a result does on every call besides running its
 `first_failure()` of the guards, then `note_own_writes()`.
 
   - training: the guards on the model's state a training result checks
-    (fxopt.guards.model_state_guards: every module's mode, class and hooks, every parameter's
+    (fxopt.guards.model_state_guards: every module's mode, class, hooks and settings, every parameter's
     requires_grad, every parameter's and buffer's identity);
   - inference: the guards of a real `fxopt.optimize(model, x, mode="inference")` result
     (the same, plus capture's call check and the values fold_conv_bn baked in).

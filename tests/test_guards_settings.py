@@ -1,0 +1,113 @@
+"""SETTINGS guards: a module's plain attributes (and its config's), baked into the graph by export, are checked per call.
+
+Each test changes, after `fxopt.optimize`, a value the forward reads from a Python attribute --
+`Dropout.p`, `LeakyReLU.negative_slope`, a held config's field, an HF attention flag -- and compares
+the result with an eager copy that went through the same change: outputs, gradients, buffers.
+"""
+from __future__ import annotations
+
+import copy
+import re
+import types
+import warnings
+from operator import attrgetter
+
+import pytest
+import torch
+import torch.nn as nn
+import transformers
+
+from fxopt.guards import SETTINGS, model_state_guards
+from test_guards import X, assert_same, conv_bn_net, optimize_quietly, step
+
+
+def test_dropout_probability_changed_after_optimize():
+    """Setting `drop.p` after optimize (a dropout schedule) optimizes again for it, saying which setting changed."""
+    model = conv_bn_net().train()
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, X, mode="training")
+    assert_same(step(reference), step(result))
+    model.drop.p = reference.drop.p = 0.6
+    with pytest.warns(UserWarning, match=r"drop\.p == 0\.3"):
+        got = step(result)
+    assert_same(step(reference), got)
+
+
+def test_a_setting_changed_back_reuses_its_variant():
+    """Alternating a dropout probability optimizes each value once, then switches between the variants."""
+    model = conv_bn_net().train()
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, X, mode="training")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(5):
+            model.drop.p = reference.drop.p = (0.3, 0.1)[i % 2]
+            assert_same(step(reference), step(result))
+    assert sum("optimized the model again" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
+
+
+class ScaledLeaky(nn.Module):
+    """Reads a held config object's field and a LeakyReLU's slope in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(scale=2.0, name="scaled", sizes=[4])
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.LeakyReLU(0.1)
+
+    def forward(self, x):
+        return self.act(self.fc(x)) * self.config.scale
+
+
+@pytest.mark.parametrize("change", ["config.scale", "act.negative_slope"])
+def test_inference_result_follows_a_changed_setting(change):
+    """On an inference result (a private copy), a changed config field or activation slope is what it computes."""
+    torch.manual_seed(0)
+    model, x = ScaledLeaky().eval(), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, x)
+    owner, _, name = change.rpartition(".")
+    for target in (result, reference):
+        setattr(attrgetter(owner)(target), name, 0.5)
+    with pytest.warns(UserWarning, match=re.escape(change)):
+        got = result(x)
+    torch.testing.assert_close(got, reference(x), rtol=0, atol=0)
+
+
+def test_only_plain_values_are_guarded():
+    """Numbers, strings and tuples of them are recorded; a list, a tensor attribute or a function is not, and a
+    config shared by several modules is recorded once."""
+    model = nn.Sequential(ScaledLeaky(), ScaledLeaky())
+    model[1].config = model[0].config
+    model[0].cache = torch.zeros(2)
+    model[0].hook = print
+    settings = {g.target: dict(g.expected) for g in model_state_guards(model, "test") if g.kind == SETTINGS}
+    assert settings["0"] == {"config.scale": 2.0, "config.name": "scaled"}
+    assert "1" not in settings  # nothing of its own but the config, already recorded at "0"
+    assert settings["0.act"] == {"negative_slope": 0.1, "inplace": False}
+
+
+def test_hugging_face_attention_flag_changed_after_optimize():
+    """GPT-2's `scale_attn_weights` (read in its attention's forward) switched off after optimize is honoured."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=100, n_layer=2, n_embd=32, n_head=2, use_cache=False,
+                                     attn_implementation="eager")
+    model = transformers.GPT2Model(config).train()
+    tokens = torch.randint(0, 100, (2, 8))
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, (tokens,), mode="training")
+    for target in (model, reference):
+        target.h[0].attn.scale_attn_weights = False
+
+    def hidden(m):
+        torch.manual_seed(3)
+        out = m(tokens).last_hidden_state
+        out.pow(2).mean().backward()
+        return out.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    with pytest.warns(UserWarning, match="scale_attn_weights"):
+        got, got_grads = hidden(result)
+    expected, expected_grads = hidden(reference)
+    torch.testing.assert_close(got, expected)
+    assert_same({f"grad:{n}": g for n, g in expected_grads.items() if g is not None},
+                {f"grad:{n}": g for n, g in got_grads.items() if g is not None})
