@@ -323,8 +323,7 @@ class BoundGuards:
         self._value_targets = [g.target for g in by_kind[SAME_VALUE]]
         # Every SETTINGS entry as (the __dict__ it is read from, its key there, the value captured); per call, one
         # itemgetter per __dict__ reads all of its entries (a quarter of the calls of one `dict.get` per entry).
-        self._setting_entries = [(_settings_dict(self._module(g.target), name), name.rpartition(".")[2], value)
-                                 for g in by_kind[SETTINGS] for name, value in g.expected]
+        self._setting_entries = [entry for g in by_kind[SETTINGS] for entry in self._setting_entries_of(g)]
         per_dict: dict[int, tuple[dict, list, list]] = {}
         for d, key, value in self._setting_entries:
             _, keys, values = per_dict.setdefault(id(d), (d, [], []))
@@ -341,6 +340,10 @@ class BoundGuards:
             return self.model.get_submodule(path)
         except AttributeError:
             return _Unresolvable()
+
+    def _setting_entries_of(self, guard: Guard) -> list[tuple[dict, str, Any]]:
+        module = self._module(guard.target)
+        return [(_settings_dict(module, name), name.rpartition(".")[2], value) for name, value in guard.expected]
 
     def _tensor(self, name: str):
         holder, key = _resolve_tensor_safe(self.model, name)
@@ -407,7 +410,10 @@ class BoundGuards:
     def untrue_now(self) -> list[Guard]:
         """Guards, other than call checks, that do not hold on the model right now (for the state a
         graph was just built for, a recording mistake: a target the model does not have)."""
-        return [g for g in self.guards if g.kind != CALL and not BoundGuards([g], self.model)._holds()]
+        facts = [g for g in self.guards if g.kind != CALL]
+        if BoundGuards(facts, self.model)._holds():  # the usual case: all of them at once
+            return []
+        return [g for g in facts if not BoundGuards([g], self.model)._holds()]
 
     def _holds(self) -> bool:
         return self._find_failure((), {}) is None
