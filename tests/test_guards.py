@@ -87,19 +87,25 @@ def test_inference_result_switched_to_train_computes_train_mode():
     assert not model.training and not model.bn.training, "the caller's model was switched too"
 
 
-def test_alternating_train_eval_optimizes_each_state_once():
-    """Switching train()/eval() every call reuses the variant optimized for each state, warning once."""
+def messages_over_changes(change, calls: int) -> tuple[list[str], fxopt.OptimizedModule]:
+    """Optimize a training ConvBNNet; before each call i, `change(i, m)` both the result and an eager copy, whose
+    steps must then be the same. Returns the warnings' messages and the result."""
     model = conv_bn_net().train()
     reference = copy.deepcopy(model)
     result = optimize_quietly(model, X, mode="training")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i in range(6):
-            result.train(i % 2 == 0)
-            reference.train(i % 2 == 0)
+        for i in range(calls):
+            change(i, result)
+            change(i, reference)
             assert_same(step(reference), step(result))
-    optimizations = [w for w in caught if "optimized the model again" in str(w.message)]
-    assert len(optimizations) == 1, [str(w.message) for w in caught]
+    return [str(w.message) for w in caught], result
+
+
+def test_alternating_train_eval_optimizes_each_state_once():
+    """Switching train()/eval() every call reuses the variant optimized for each state, warning once."""
+    messages, result = messages_over_changes(lambda i, m: m.train(i % 2 == 0), calls=6)
+    assert sum("optimized the model again" in m for m in messages) == 1, messages
     events = result.fxopt_report.guard_events
     assert sum(n for what, n in events.items() if "optimized the model again" in what) == 1
 
