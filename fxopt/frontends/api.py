@@ -8,6 +8,7 @@ import torch
 from ..capture import check_initialized
 from ..capture.direct_reads import read_attributes_directly
 from ..capture.saving import keep_graph_when_pickled
+from ..collector import heap_frozen
 from ..errors import FxoptError
 from ..guards import CALL, TRAIN_MODE, Guard, GuardSet, model_state_guards
 from ..model_copy import independent_copy
@@ -99,9 +100,10 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
     if verify:  # the reference runs on the model as it is now, before capture
         verifier = Verifier(source, args, training=mode == TRAINING,
                             differentiable=pass_options.get("differentiable_outputs"))
-    captured = from_model(source, args, kwargs, dynamic_batch=settings.get(DYNAMIC_BATCH_SETTING, False))
-    ctx = PassContext(mode, dict(pass_options))
-    report = run_pipeline(captured, pipeline, ctx, instruments=instruments, verifier=verifier)
+    with heap_frozen():  # collections walk what capture and the passes make, not the caller's whole heap
+        captured = from_model(source, args, kwargs, dynamic_batch=settings.get(DYNAMIC_BATCH_SETTING, False))
+        ctx = PassContext(mode, dict(pass_options))
+        report = run_pipeline(captured, pipeline, ctx, instruments=instruments, verifier=verifier)
     keep_graph_when_pickled(captured.module)  # also the GraphModules passes added
     for module in captured.module.modules():
         if isinstance(module, torch.fx.GraphModule):
