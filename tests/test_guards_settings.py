@@ -1,4 +1,4 @@
-"""SETTINGS guards: a module's plain attributes (and its config's), baked into the graph by export, are checked per call.
+"""SETTINGS guards: a module's plain attributes (and its config's), which export bakes in, are checked per call.
 
 Each test changes, after `fxopt.optimize`, a value the forward reads from a Python attribute --
 `Dropout.p`, `LeakyReLU.negative_slope`, a held config's field, an HF attention flag -- and compares

@@ -7,10 +7,11 @@ chain priced 0.1-0.2 ms; its BatchNorms, its selective policy over convolutions,
 it holds all play a part. `calibrated_overhead(gm, profile, span)` runs the graph's own steps
 [span) as a block, on real tensors shaped like the example, plain and as a whole and a selective
 CheckpointedRegion (what checkpoint_activations makes), in interleaved rounds; what each kind costs
-beyond the plain block and its ops' predicted recomputation is its per-region overhead (the
-per-op part stays the chain's). The block differentiates its inputs and the trainable parameters it reads, as a
-training step does (a kept convolution's backward computes its weight's gradient whenever the weight requires one:
-differentiating the inputs alone priced a selective region over one of HF ResNet-50's convolutions 4 ms too dear).
+beyond the plain block and its ops' predicted recomputation is its per-region overhead, never less
+than the chain's (the per-op part stays the chain's). The block differentiates its inputs and the
+trainable parameters it reads, as a training step does (a kept convolution's backward computes its
+weight's gradient whenever the weight requires one: differentiating the inputs alone priced a
+selective region over one of HF ResNet-50's convolutions 4 ms too dear).
 Nothing of the model changes: those gradients are returned, not accumulated into `.grad`; buffers and the RNG
 are put back.
 """
@@ -95,10 +96,12 @@ def calibrated_overhead(gm: fx.GraphModule, profile: StepProfile, span: Region) 
     except Exception:  # noqa: BLE001 - a block zeros or random values cannot stand for: keep the chain's prices
         return None
     plain, per_region = statistics.median(times["plain"][1:]), {}
+    chain = {"whole": profile.overhead.per_region, "selective": profile.overhead.selective_per_region}
     for kind in ("whole", "selective"):
         region = span._replace(save_counted=kind == "selective")
         recomputed = (profile.region_cost(region) - profile.overhead_ns(region)) / 1e9
         extra = statistics.median(times[kind][1:]) - plain - recomputed
-        per_region[kind] = max(0.0, extra - profile.overhead_per_op(region) * (span.stop - span.start))
+        # never below the chain's figure, a floor (HF ViT's 3-step block measured less than its predicted recompute)
+        per_region[kind] = max(chain[kind], extra - profile.overhead_per_op(region) * (span.stop - span.start))
     return dataclasses.replace(profile.overhead, per_region=per_region["whole"],
                                selective_per_region=per_region["selective"])
