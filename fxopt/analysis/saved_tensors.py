@@ -183,7 +183,7 @@ def is_known_op(node: fx.Node) -> bool:
 
 
 def _dropout_training(node: fx.Node) -> bool:
-    """Whether a dropout node draws a mask: its `training`/`train` flag is not False.
+    """Whether a dropout node runs in training mode: its `training`/`train` flag is not False.
 
     Assumes `node` is a dropout (op_name == "dropout"); a flag computed in the graph counts as training.
     """
