@@ -323,9 +323,8 @@ class BoundGuards:
         self._value_targets = [g.target for g in by_kind[SAME_VALUE]]
         # Every SETTINGS entry as (the __dict__ it is read from, its key there, the value captured); per call, one
         # itemgetter per __dict__ reads all of its entries (a quarter of the calls of one `dict.get` per entry).
-        self._setting_entries = [entry for g in by_kind[SETTINGS] for entry in self._setting_entries_of(g)]
         per_dict: dict[int, tuple[dict, list, list]] = {}
-        for d, key, value in self._setting_entries:
+        for d, key, value in (entry for g in by_kind[SETTINGS] for entry in self._setting_entries_of(g)):
             _, keys, values = per_dict.setdefault(id(d), (d, [], []))
             keys.append(key)
             values.append(value)
@@ -443,9 +442,8 @@ class BoundGuards:
                 if (holder.get(key) is not t or (kind != SAME_OBJECT and _data_pointer(t) != pointers[g.target])
                         or (kind == SAME_VALUE and _torch_private.tensor_version(t) != versions[g.target])):
                     return g
-        entries = iter(self._setting_entries)
         for g in b[SETTINGS]:
-            for (name, _), (holder, key, value) in zip(g.expected, entries):
+            for (name, _), (holder, key, value) in zip(g.expected, self._setting_entries_of(g)):
                 now = holder.get(key)
                 if not (now is value or now == value):  # the guard on that one setting: the warning names it
                     return dataclasses.replace(g, expected=((name, value),))
