@@ -409,3 +409,21 @@ def test_a_guard_naming_a_missing_module_is_reported_not_checked():
     model = conv_bn_net().eval()
     guards = GuardSet([Guard(TRAIN_MODE, "no.such.bn", False, "some_pass", "why")] + model_state_guards(model, "t"))
     assert [g.target for g in guards.bind(model).untrue_now()] == ["no.such.bn"]
+
+
+def test_inference_result_back_in_eval_after_training_steps_uses_the_new_statistics():
+    """eval() after train-mode steps on an inference result does not reuse the fold of the old BN statistics: ATen
+    updates them in place without bumping their versions, so the fold also guards the BN's batch counter."""
+    model = conv_bn_net().eval()
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, X)
+    assert_same(step(reference, backward=False), step(result, backward=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each switch is announced
+        for target in (result, reference):
+            target.train()
+        for seed in range(2):
+            assert_same(step(reference, seed=seed), step(result, seed=seed))
+        for target in (result, reference):
+            target.eval()
+        assert_same(step(reference, backward=False), step(result, backward=False))

@@ -42,7 +42,9 @@ When it refuses (reason in the report):
 A BN's train/eval flag is read when the pass runs, as in torch.fx's `fuse` and Inductor's
 freezing (export bakes it into `batch_norm(training=...)`). The fold records what it relies on
 as guards (`fxopt.guards`): the BN's module path in eval mode (TRAIN_MODE) and, where the
-folded tensors are precomputed, each weight and statistic keeping its value (SAME_VALUE); the
+folded tensors are precomputed, each weight and statistic keeping its value (SAME_VALUE, also on
+the BN's `num_batches_tracked`: ATen updates the statistics in place without bumping their
+versions, the module's counter `add_(1)` does); the
 result re-optimizes or runs the original when one no longer holds, never a stale fold.
 """
 from __future__ import annotations
@@ -80,6 +82,19 @@ def folded_conv_bn_params(weight, bias, running_mean, running_var, bn_weight, bn
     else:
         folded = weight * scale.reshape(-1, 1, *ones)
     return folded.to(weight.dtype), shift.to(weight.dtype)
+
+
+def _batch_counter(gm: fx.GraphModule, running_mean) -> str | None:
+    """The target of the `num_batches_tracked` buffer beside a BN's `running_mean` attribute, where `gm` has one."""
+    if not (isinstance(running_mean, fx.Node) and running_mean.op == "get_attr"):
+        return None
+    owner, _, _ = running_mean.target.rpartition(".")
+    target = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
+    try:
+        gm.get_buffer(target)
+    except AttributeError:
+        return None
+    return target
 
 
 def _refusal(gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, ctx: PassContext,
@@ -140,6 +155,10 @@ class FoldConvBN(Pass):
         for ref in refs if precompute else ():
             if isinstance(ref, fx.Node) and ref.op == "get_attr":
                 ctx.guards.add(Guard(SAME_VALUE, model_name(ctx, ref.target), None, self.name, why))
+        counter = _batch_counter(bn.node.graph.owning_module, bn.running_mean) if precompute else None
+        if counter is not None:  # ATen updates running_mean/var in place without bumping their versions;
+            ctx.guards.add(Guard(SAME_VALUE, model_name(ctx, counter), None, self.name,  # the module's add_(1) does
+                                 f"{why}: a train-mode step updates its statistics, and counts it here"))
 
     def _fold(self, gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool) -> None:
         transposed = getattr(layer, "transposed", False)
