@@ -97,10 +97,16 @@ def worker(rank: int, init_method: str, engine: str, optimizer: str, autocast: b
         gc.collect()
         dist.barrier()
         want, got = full_state(reference), full_state(candidate)
+        del reference, candidate
         tol = 2e-2 if autocast else 1e-5  # bf16 rounds differently once ops are reordered
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol, msg=lambda m, k=k: f"rank {rank} {k}: {m}")
     finally:
+        # FSDP2's state (and an fxopt graph) lives in reference cycles, so without this it is freed only while the
+        # interpreter shuts down. A worker aborted now and then with "terminate called without an active exception"
+        # and no Python frame in any thread, which points there (a shutdown-time abort, the gloo teardown torch's
+        # PR 179291 describes); it is collected here instead, while the process group is up.
+        gc.collect()
         dist.destroy_process_group()
 
 
