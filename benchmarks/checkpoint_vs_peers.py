@@ -187,14 +187,18 @@ def main():
         _steady_heap()
     torch.set_num_threads(1)
     models = _models()
+    print_tables(args.models.split(","), lambda name: run_model(name, *models[name], args.rounds, args.compile), HEADERS)
+
+
+def print_tables(names: list[str], rows_of, headers: list[str]) -> None:
+    """Each model's table as soon as `rows_of(name)` has measured it, then all of them in one."""
     rows = []
-    for name in args.models.split(","):
-        factory, x, blocks = models[name]
-        model_rows = run_model(name, factory, x, blocks, args.rounds, args.compile)
-        print(tabulate(model_rows, headers=HEADERS), flush=True)
+    for name in names:
+        model_rows = rows_of(name)
+        print(tabulate(model_rows, headers=headers), flush=True)
         rows += model_rows
     print()
-    print(tabulate(rows, headers=HEADERS))
+    print(tabulate(rows, headers=headers))
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ import statistics
 import warnings
 
 import torch
-from tabulate import tabulate
 
 import fxopt
-from checkpoint_vs_peers import LastHiddenState, _models, _steady_heap, _timed
+from checkpoint_vs_peers import LastHiddenState, _models, _steady_heap, _timed, print_tables
 
 HEADERS = ["model", "budget", "regions", "predicted ms", "measured ms", "measured / predicted"]
 
@@ -68,14 +67,13 @@ def main():
     if args.steady_heap:
         _steady_heap()
     torch.set_num_threads(1)
-    models, budgets, rows = _models(), [float(b) for b in args.budgets.split(",")], []
-    for name in args.models.split(","):
+    models, budgets = _models(), [float(b) for b in args.budgets.split(",")]
+
+    def rows_of(name: str) -> list[list]:
         factory, x, _blocks = models[name]
-        model_rows = [[name, *row] for row in run_model(factory, x, budgets, args.rounds)]
-        print(tabulate(model_rows, headers=HEADERS), flush=True)
-        rows += model_rows
-    print()
-    print(tabulate(rows, headers=HEADERS))
+        return [[name, *row] for row in run_model(factory, x, budgets, args.rounds)]
+
+    print_tables(args.models.split(","), rows_of, HEADERS)
 
 
 if __name__ == "__main__":
