@@ -146,18 +146,22 @@ class FoldConvBN(Pass):
 
     def _record_guards(self, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool,
                        ctx: PassContext) -> None:
-        """What the fold relies on: the BN stays in eval mode; precomputed, weights and statistics keep their values."""
+        """What the fold relies on: the BN stays in eval mode; precomputed, weights, statistics and the BN's batch
+        counter keep their values (the counter: ATen updates the statistics in place without bumping their versions,
+        the module's `add_(1)` on it does)."""
         why = f"{site_name(bn.node)} folded into {site_name(layer.node)}"
         path = module_path(bn.node)
         if path is not None:
             ctx.guards.add(Guard(TRAIN_MODE, model_name(ctx, path), False, self.name, why))
+        if not precompute:
+            return
         refs = (layer.weight, layer.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
-        for ref in refs if precompute else ():
+        for ref in refs:
             if isinstance(ref, fx.Node) and ref.op == "get_attr":
                 ctx.guards.add(Guard(SAME_VALUE, model_name(ctx, ref.target), None, self.name, why))
-        counter = _batch_counter(bn.node.graph.owning_module, bn.running_mean) if precompute else None
-        if counter is not None:  # ATen updates running_mean/var in place without bumping their versions;
-            ctx.guards.add(Guard(SAME_VALUE, model_name(ctx, counter), None, self.name,  # the module's add_(1) does
+        counter = _batch_counter(bn.node.graph.owning_module, bn.running_mean)
+        if counter is not None:
+            ctx.guards.add(Guard(SAME_VALUE, model_name(ctx, counter), None, self.name,
                                  f"{why}: a train-mode step updates its statistics, and counts it here"))
 
     def _fold(self, gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool) -> None:
