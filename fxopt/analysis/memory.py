@@ -58,7 +58,7 @@ from .conv_scratch import conv_backward_scratch
 from .dropout_replay import draws_unreplayed, replayed_dropout_p
 from .flops import node_flops
 from .grad_needs import analyze_grad_needs
-from .kept_convolutions import kept_convolution
+from .kept_outputs import kept_output
 from .op_times import node_seconds, replay_key
 from .region_overhead import RegionOverhead, region_overhead
 from .ops import match_batch_norm, match_conv, resolve
@@ -215,9 +215,9 @@ class StepProfile:
         return round((per_region + self.overhead_per_op(r) * (r.stop - r.start)) * 1e9)
 
     def overhead_per_op(self, r: Region) -> float:
-        """Seconds the region adds per op it holds: a selective one that keeps other ops than convolutions runs every
-        op through torch's selective checkpoint dispatch mode (fxopt.analysis.kept_convolutions)."""
-        dispatched = r.save_counted and self._sum(self._counted_not_kept_prefix, r) > 0  # convolutions_kept_by_region
+        """Seconds the region adds per op it holds: a selective one that keeps an op it cannot keep itself runs every
+        op through torch's selective checkpoint dispatch mode (fxopt.analysis.kept_outputs)."""
+        dispatched = r.save_counted and self._sum(self._counted_not_kept_prefix, r) > 0  # outputs_kept_by_region
         return self.overhead.selective_per_op if dispatched else self.overhead.per_op
 
     def has_replayable_dropout(self, r: Region) -> bool:
@@ -248,7 +248,7 @@ class StepProfile:
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_flops_prefix = list(itertools.accumulate((s.flops * s.counted for s in self.steps), initial=0))
         self._counted_not_kept_prefix = list(itertools.accumulate(
-            (s.counted and kept_convolution(s.node) is None for s in self.steps), initial=0))
+            (s.counted and kept_output(s.node) is None for s in self.steps), initial=0))
         self._last_saver = list(itertools.accumulate((p if s.saved else -1 for p, s in enumerate(self.steps)), max,
                                                      initial=-1))  # [p]: the last step before p that saves
         self._saves_what_it_makes = [bool(s.saved & s.creates) for s in self.steps]

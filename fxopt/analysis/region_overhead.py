@@ -3,7 +3,7 @@
 A non-reentrant `torch.utils.checkpoint` region pays for its own wrapper and saved-tensor hooks
 (per region), and its recomputation records an autograd graph again (per op); a selective region
 under torch's policy also sends every op of its forward and of its recomputation through a Python dispatch
-mode (one that keeps only convolutions does not: fxopt.analysis.kept_convolutions). Op
+mode (one that keeps only convolutions and matrix products does not: fxopt.analysis.kept_outputs). Op
 times (fxopt.analysis.op_times) see none of it. `region_overhead(device)` times one training step
 of a chain of tiny ops plain and inside each kind of region, with 1 and with CHAIN ops, and
 returns the difference split into per region and per op (medians of interleaved rounds, on the

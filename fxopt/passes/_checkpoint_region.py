@@ -11,9 +11,9 @@ region's first run and its recomputation maps the input with them, bit for bit a
 (fxopt.analysis.batch_norm_replay); any other runs as written on the first run and, in train mode, on
 throwaway copies of the running statistics when recomputed. With `save_counted`, a selective checkpoint policy
 also keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and
-recomputes only the rest; where every op it keeps is a convolution, the region keeps their outputs itself
-(`convolution_once`, fxopt.analysis.kept_convolutions) and its other ops run without the policy's dispatch
-mode. A train-mode dropout on CPU runs as `dropout_once`: the mask its first run draws is kept, and a recomputation rebuilds the noise from it (fxopt.analysis.dropout_replay).
+recomputes only the rest; where every op it keeps is a convolution or a matrix product, the region keeps their
+outputs itself (`convolution_once` / `product_once`: fxopt.passes._kept_outputs, fxopt.analysis.kept_outputs) and
+its other ops run without the policy's dispatch mode. A train-mode dropout on CPU runs as `dropout_once`: the mask its first run draws is kept, and a recomputation rebuilds the noise from it (fxopt.analysis.dropout_replay).
 
 The body's modules and tensors are the parent graph's own (not registered a second time), so
 `state_dict()` keeps the original keys. Before / after::
@@ -24,7 +24,6 @@ The body's modules and tensors are the parent graph's own (not registered a seco
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import operator
@@ -35,13 +34,16 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .. import _torch_private
 from ..analysis import batch_norm_replay
 from ..analysis.dropout_replay import draw, replay, replayable_dropouts
 from ..analysis.flops import is_counted_op
-from ..analysis.kept_convolutions import ConvolutionArguments, convolutions_kept_by_region
+from ..analysis.kept_outputs import ConvolutionArguments, ProductCall, outputs_kept_by_region
 from ..analysis.ops import match_conv
-from ..graph_functions import graph_function
+from ..graph_functions import graph_function, importable_name
 from ..op_names import call_arguments
+from ._kept_outputs import convolution_once, product_once
+from ._region_run import RegionRun
 
 
 def _save_counted_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -49,15 +51,6 @@ def _save_counted_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 BATCH_NORM_FUNCTIONS = (F.batch_norm, torch.batch_norm, torch.ops.aten.batch_norm.default)
-
-
-@dataclasses.dataclass
-class RegionRun:
-    """One run of a region body: the forward (`first`) or a recomputation. `scratch` lives across the
-    runs of one call: per running statistic, a throwaway copy the recomputation updates instead."""
-
-    first: bool
-    scratch: dict
 
 
 def _statistics_this_run_updates(running_mean, running_var, run: RegionRun) -> tuple:
@@ -98,49 +91,6 @@ class _BatchNormReplayingStatistics(torch.autograd.Function):
         return *grads, None, None, None, None, None, None
 
 
-class _ConvolutionKeepingOutput(torch.autograd.Function):
-    """A convolution in a selective region that keeps its own output (fxopt.analysis.kept_convolutions): the first
-    run computes and keeps it (in the run's scratch under `key`), a recomputation hands it back; backward is ATen's
-    convolution_backward over the same saved input and weight."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, arguments: ConvolutionArguments, key: str, run: RegionRun):
-        if run.first:
-            out = torch.ops.aten.convolution(x, weight, bias, *arguments)
-            run.scratch[key] = (out.detach(), out._version)
-        else:  # taken, not read: from here on the recomputation's graph holds it only as long as it needs it
-            if key not in run.scratch:
-                raise RuntimeError("fxopt: a second backward through a selective checkpointed region (its kept "
-                                   f"output of {key!r} was used by the first): backward through it only once")
-            kept, version = run.scratch.pop(key)
-            if kept._version != version:
-                raise RuntimeError(f"fxopt: the output of convolution {key!r}, kept by a checkpointed region for its "
-                                   "backward, was written in place after the region's forward")
-            out = kept.detach()  # a tensor of its own for this run's autograd graph, on the kept storage
-        ctx.save_for_backward(x, weight)
-        ctx.arguments, ctx.bias_sizes = arguments, None if bias is None else list(bias.shape)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grads = torch.ops.aten.convolution_backward(grad, x, weight, ctx.bias_sizes, *ctx.arguments,
-                                                    list(ctx.needs_input_grad[:3]))
-        return *grads, None, None, None
-
-
-@graph_function(name="convolution")
-def convolution_once(x, weight, bias, arguments: ConvolutionArguments, key: str, run: RegionRun, original: tuple):
-    """A convolution in a selective region, its output computed on the first run only and kept (`key`: its node's
-    name; _ConvolutionKeepingOutput). Under autocast it runs as the node did (`original`: its target, args and
-    kwargs), recomputed with the rest: autocast casts the inputs of `aten.conv2d` and its kind, not of the
-    `aten.convolution` the Function calls."""
-    if torch.is_autocast_enabled(x.device.type):
-        target, args, kwargs = original
-        return target(*args, **kwargs)
-    return _ConvolutionKeepingOutput.apply(x, weight, bias, arguments, key, run)
-
-
 @graph_function(name="batch_norm", updates_stats=True)
 def batch_norm_once(x, running_mean, running_var, weight, bias, training, momentum, eps, key: str, run: RegionRun):
     """`F.batch_norm` / `aten.batch_norm` in a region (`key`: its node's name), running statistics updated on the
@@ -166,9 +116,9 @@ class CheckpointedRegion(torch.nn.Module):
     """Runs `body` under non-reentrant checkpoint, with a selective checkpoint `policy` if given (torch's
     `create_selective_checkpoint_contexts`: the op outputs it saves are kept, the rest recomputed).
 
-    A body that runs BatchNorm, replays dropout or keeps convolution outputs itself takes a first argument, the
+    A body that runs BatchNorm, replays dropout or keeps op outputs itself takes a first argument, the
     `RegionRun` saying whether this is the first run (the forward) or a recomputation, so running statistics are
-    updated once, dropout noise is drawn once and kept convolutions run once.
+    updated once, dropout noise is drawn once and kept ops run once.
     """
 
     def __init__(self, body: fx.GraphModule, policy, takes_run: bool):
@@ -195,8 +145,8 @@ class CheckpointedRegion(torch.nn.Module):
         """What the region keeps, in words."""
         if self.policy is not None:
             return "selective (matmul/conv/attention outputs kept by torch's selective checkpoint policy)"
-        if any(n.target is convolution_once for n in self.body.graph.nodes):
-            return "selective (convolution outputs kept by the region)"
+        if any(n.target in (convolution_once, product_once) for n in self.body.graph.nodes):
+            return "selective (matmul/conv outputs kept by the region)"
         return "whole"
 
     def extra_repr(self) -> str:
@@ -221,6 +171,20 @@ def _batch_norm_once_call(body: fx.Graph, node: fx.Node, env: dict, run: fx.Node
     return body.call_function(batch_norm_once, (a["input"], a.get("running_mean"), a.get("running_var"),
                                                 a.get("weight"), a.get("bias"), a.get("training", False),
                                                 a.get("momentum", 0.1), a.get("eps", 1e-5), node.name, run))
+
+
+def _kept_output_call(body: fx.Graph, node: fx.Node, how: ConvolutionArguments | ProductCall, env: dict,
+                      run: fx.Node) -> fx.Node:
+    """The body's call of `node` keeping its output (`how`: fxopt.analysis.kept_outputs.kept_output)."""
+    target = node.target if isinstance(node.target, _torch_private.op_overload_types()) else importable_name(node.target)
+    original = fx.map_arg((target, node.args, node.kwargs), lambda a: env[a])  # fx prints a function by name only
+    if isinstance(how, ProductCall):
+        operands = tuple(env[a] if a is not None else None for a in how.operands)
+        return body.call_function(product_once, (how.kind, operands, node.name, run, original))
+    conv = match_conv(node)
+    return body.call_function(convolution_once, (env[conv.input], env[conv.weight],
+                                                 env[conv.bias] if conv.bias is not None else None,
+                                                 tuple(how), node.name, run, original))
 
 
 def is_lone_state_update(node: fx.Node) -> bool:
@@ -251,7 +215,7 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
     """Replace `nodes` (contiguous in graph order) with one call of a CheckpointedRegion; return that call.
     `replay_dropout`: its CPU dropouts keep their masks (dropout_once), else they draw again. A selective region
     (`save_counted`) keeps the outputs of `counted`, the matmuls, convolutions and attention among `nodes`
-    (Step.counted): itself where all are convolutions (convolutions_kept_by_region), else (or without `counted`)
+    (Step.counted): itself where it can keep each (outputs_kept_by_region), else (or without `counted`)
     by torch's selective checkpoint policy. The call (and its items) carry the `meta["val"]` of the outputs they
     stand for: a region computes the same values.
 
@@ -263,8 +227,8 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
     body = fx.Graph()
     batch_norms = {n for n in nodes if can_recompute_batch_norm(n)}
     dropouts = replayable_dropouts(nodes) if replay_dropout else {}
-    convolutions = convolutions_kept_by_region(counted) if save_counted and counted is not None else None
-    run = body.placeholder("run") if batch_norms or dropouts or convolutions else None
+    kept = outputs_kept_by_region(counted) if save_counted and counted is not None else None
+    run = body.placeholder("run") if batch_norms or dropouts or kept else None
     env = inputs_of_graph(body, nodes)
     inputs = [a for a in env if a.op != "get_attr"]
     for node in nodes:
@@ -272,19 +236,16 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
             env[node] = _batch_norm_once_call(body, node, env, run)
         elif node in dropouts:
             env[node] = body.call_function(dropout_once, (env[node.all_input_nodes[0]], dropouts[node], node.name, run))
-        elif convolutions and node in convolutions:
-            conv, original = match_conv(node), fx.map_arg((node.target, node.args, node.kwargs), lambda a: env[a])
-            env[node] = body.call_function(convolution_once, (env[conv.input], env[conv.weight],
-                                                              env[conv.bias] if conv.bias is not None else None,
-                                                              tuple(convolutions[node]), node.name, run, original))
+        elif kept and node in kept:
+            env[node] = _kept_output_call(body, node, kept[node], env, run)
         else:
             env[node] = body.node_copy(node, lambda a: env[a])
         env[node].meta.update(node.meta)
     outputs = read_outside(nodes)
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
-    policy = _save_counted_ops if save_counted and convolutions is None else None
+    policy = _save_counted_ops if save_counted and kept is None else None
     gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, "Region"), policy,
-                                              bool(batch_norms or dropouts or convolutions)))
+                                              bool(batch_norms or dropouts or kept)))
     with gm.graph.inserting_before(nodes[0]):
         call = gm.graph.call_module(name, tuple(inputs))
         vals = [out.meta.get("val") for out in outputs]  # the same values as before, so the same shapes

@@ -4,8 +4,8 @@ What it rewrites: runs of nodes chosen by a cost model move into `CheckpointedRe
 submodules (named `checkpointed_<first>_to_<last>`), which run under non-reentrant
 `torch.utils.checkpoint`; a region is either recomputed whole, or selectively (its matmul, conv
 and attention outputs are kept, only the cheap ops between them are recomputed: by torch's selective
-checkpoint policy, or, where all it keeps are convolutions, by the region itself, which spares every
-op the policy's dispatch mode: fxopt.analysis.kept_convolutions)::
+checkpoint policy, or, where all it keeps are convolutions and matrix products, by the region itself, which
+spares every op the policy's dispatch mode: fxopt.analysis.kept_outputs)::
 
     a = fc1(x); b = norm(a); c = gelu(b); d = drop(c); e = fc2(d); ...
   becomes (budget 0.5 on a deep MLP)

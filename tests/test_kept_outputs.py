@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxopt
-from fxopt.analysis.kept_convolutions import kept_convolution
+from fxopt.analysis.kept_outputs import kept_convolution, kept_product
 from fxopt.analysis.memory import Region, step_profile
 from fxopt.analysis.region_overhead import RegionOverhead
 from fxopt.capture.saving import keep_graph_when_pickled
@@ -81,7 +81,7 @@ def test_step_is_bit_exact_in_float32(kind, channels_last):
     if channels_last:
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     opt = _one_selective_region(model, x)
-    assert _region(opt).kind == "selective (convolution outputs kept by the region)"  # no dispatch mode
+    assert _region(opt).kind == "selective (matmul/conv outputs kept by the region)"  # no dispatch mode
     expected, got = _steps(model, x), _steps(opt, x)
     assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == []
 
@@ -107,7 +107,7 @@ def test_survives_torch_save_and_load(tmp_path):
     keep_graph_when_pickled(opt.graph_module)  # as fxopt.optimize leaves every graph it made
     torch.save(opt, tmp_path / "m.pt")
     loaded = torch.load(tmp_path / "m.pt", weights_only=False)
-    assert _region(loaded).kind == "selective (convolution outputs kept by the region)"
+    assert _region(loaded).kind == "selective (matmul/conv outputs kept by the region)"
     expected, got = _steps(model, x), _steps(loaded, x)
     assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == []
 
@@ -123,11 +123,22 @@ def test_eval_mode_matches_in_float64():
     assert max((got[k] - v).abs().max().item() for k, v in expected.items()) == 0
 
 
+class _EinsumHead(nn.Module):
+    """A linear head written as an einsum: a product the region cannot keep itself (kept_output is None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 8))
+
+    def forward(self, x):
+        return torch.einsum("bc,dc->bd", x, self.weight)
+
+
 def test_other_kept_ops_use_the_selective_policy():
-    """A region that also keeps a matmul (a linear head) runs under torch's selective checkpoint policy, and still
-    matches eager."""
+    """A region that also keeps a product it cannot keep itself (an einsum) runs under torch's selective checkpoint
+    policy, and still matches eager."""
     torch.manual_seed(0)
-    model = _Convolutions(LAYERS["conv2d"][0], tail=nn.Linear(8, 3)).double().train()
+    model = _Convolutions(LAYERS["conv2d"][0], tail=_EinsumHead()).double().train()
     x = torch.randn(2, 8, 10, 10, dtype=torch.float64)
     opt = _one_selective_region(model, x)
     assert _region(opt).policy is not None
@@ -201,11 +212,11 @@ class _Functional(nn.Module):
 
 def test_region_price_per_op():
     """A selective region that keeps only convolutions is priced per op as a whole region (no dispatch mode); one
-    that keeps a matmul at the selective policy's price per op."""
+    that keeps an einsum at the selective policy's price per op."""
     torch.manual_seed(0)
     x = torch.randn(2, 8, 10, 10)
     convs = fxopt.optimize(_Convolutions(LAYERS["conv2d"][0]).train(), (x,), mode="training", passes=[])
-    head = fxopt.optimize(_Convolutions(LAYERS["conv2d"][0], tail=nn.Linear(8, 3)).train(), (x,), mode="training",
+    head = fxopt.optimize(_Convolutions(LAYERS["conv2d"][0], tail=_EinsumHead()).train(), (x,), mode="training",
                           passes=[])
     overhead = RegionOverhead(per_region=0.0, per_op=1e-6, selective_per_region=0.0, selective_per_op=3e-5)
     for opt, expected in ((convs, 1e-6), (head, 3e-5)):
@@ -223,3 +234,126 @@ def test_extract_without_counted_uses_the_policy():
     extract_region(gm, [n for n in gm.graph.nodes if n.op == "call_function"], "checkpointed_all", True)
     gm.recompile()
     assert _region(opt).policy is not None
+
+
+class _Products(nn.Module):
+    """Two matrix products of one kind (`product(self, x)` computes one) with a GELU after each and a residual."""
+
+    def __init__(self, product, weights: dict):
+        super().__init__()
+        self.product = product
+        self.weights = nn.ParameterDict({k: nn.Parameter(torch.randn(shape) / 3) for k, shape in weights.items()})
+
+    def forward(self, x):
+        h = F.gelu(self.product(self, x))
+        return self.product(self, h).tanh() + h
+
+
+def _attention(m, x):
+    """Multi-head self-attention on permuted heads, as Hugging Face's eager attention computes it."""
+    b, t, _ = x.shape
+    q, k, v = (F.linear(x, m.weights[n]).view(b, t, 2, 4).transpose(1, 2) for n in "qkv")
+    weights = torch.matmul(q, k.transpose(-1, -2)).softmax(-1)
+    return torch.matmul(weights, v).transpose(1, 2).reshape(b, t, 8)
+
+
+PRODUCTS = {  # (product, its weights' shapes, the input's shape, the input made from a contiguous tensor by)
+    "linear_2d": (lambda m, x: F.linear(x, m.weights["w"], m.weights["b"]), {"w": (8, 8), "b": (8,)}, (6, 8), None),
+    "linear_3d": (lambda m, x: F.linear(x, m.weights["w"], m.weights["b"]), {"w": (8, 8), "b": (8,)}, (2, 5, 8), None),
+    "linear_4d_no_bias": (lambda m, x: F.linear(x, m.weights["w"]), {"w": (8, 8)}, (2, 3, 5, 8), None),
+    "linear_transposed_input": (lambda m, x: F.linear(x.transpose(0, 1), m.weights["w"], m.weights["b"]).transpose(
+        0, 1), {"w": (8, 8), "b": (8,)}, (2, 5, 8), None),
+    "addmm": (lambda m, x: torch.addmm(m.weights["b"], x.reshape(-1, 8), m.weights["w"]).view(x.shape),
+              {"w": (8, 8), "b": (8,)}, (2, 5, 8), None),  # Hugging Face GPT-2's Conv1D
+    "addmm_transposed_weight": (lambda m, x: torch.addmm(m.weights["b"], x, m.weights["w"].t()),
+                                {"w": (8, 8), "b": (8,)}, (6, 8), None),
+    "mm": (lambda m, x: torch.mm(x, m.weights["w"]), {"w": (8, 8)}, (6, 8), None),
+    "bmm": (lambda m, x: torch.bmm(x, m.weights["w"].expand(2, 8, 8)), {"w": (8, 8)}, (2, 5, 8), None),
+    "matmul_broadcast": (lambda m, x: torch.matmul(x.unsqueeze(0), m.weights["w"].unsqueeze(0).unsqueeze(0))[0],
+                         {"w": (8, 8)}, (2, 5, 8), None),
+    "attention": (_attention, {n: (8, 8) for n in "qkv"}, (2, 5, 8), None),
+}
+
+
+@pytest.mark.parametrize("kind", list(PRODUCTS))
+def test_products_step_is_bit_exact_in_float32(kind):
+    """Two training steps through a region that keeps a product's outputs itself give eager's outputs and gradients
+    bit for bit, for every product and operand layout it keeps."""
+    product, weights, shape, _ = PRODUCTS[kind]
+    torch.manual_seed(0)
+    model, x = _Products(product, weights).train(), torch.randn(shape)
+    opt = _one_selective_region(model, x)
+    assert _region(opt).kind == "selective (matmul/conv outputs kept by the region)"  # no dispatch mode
+    assert _region(opt).policy is None
+    expected, got = _steps(model, x), _steps(opt, x)
+    assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == []
+
+
+def test_products_under_autocast_match_eager():
+    """Under bfloat16 autocast the region's products run as the model's did (recomputed with the rest), so two steps
+    give eager's outputs and gradients bit for bit."""
+    product, weights, shape, _ = PRODUCTS["attention"]
+    torch.manual_seed(0)
+    model, x = _Products(product, weights).train(), torch.randn(shape)
+    opt = _one_selective_region(model, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = _steps(model, x), _steps(opt, x)
+    assert expected["output"].dtype == torch.bfloat16
+    assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == []
+
+
+def test_kept_product_written_in_place_is_a_clear_error():
+    """Writing a kept product's output in place before the backward fails with a message naming it."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double().train(), torch.randn(
+        2, 4, dtype=torch.float64)
+    opt = _one_selective_region(model, x)
+    out = opt(x.clone().requires_grad_())
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="written in place after the region's forward"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("name", ["BERT", "GPT-2", "ViT"])
+def test_transformer_in_one_region_is_bit_exact(name):
+    """A Hugging Face transformer (tiny config, float32, no dropout) as one selective region keeps every matmul
+    itself, and two training steps give eager's outputs, gradients and buffers bit for bit."""
+    from corpus_models import LastHiddenState, build  # noqa: PLC0415 - the corpus's builders, as its tests use them
+
+    model, (x,) = build(name, training=True, dtype=torch.float32)
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    model = LastHiddenState(model)
+    opt = _one_selective_region(model, x)
+    assert _region(opt).policy is None
+    expected, got = _token_steps(model, x), _token_steps(opt, x)
+    assert [k for k, v in expected.items() if (v is None) != (got[k] is None)] == []  # the pooler's: no gradient
+    assert [k for k, v in expected.items() if v is not None and not torch.equal(got[k], v)] == []
+
+
+def _token_steps(model: nn.Module, x: torch.Tensor) -> dict:
+    """_steps for an input that may be token ids (no gradient of its own)."""
+    if x.is_floating_point():
+        return _steps(model, x)
+    model = copy.deepcopy(model)
+    for _ in range(2):
+        out = model(x)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+    return {"output": out.detach(), **{f"grad:{k}": p.grad for k, p in model.named_parameters()}}
+
+
+def test_which_products_are_kept():
+    """Plain products are kept by the region; an addmm that scales, a matmul of a batch by one matrix (ATen folds it
+    into an mm) and one of vectors are left to the selective policy."""
+    def kinds(fn, *inputs):
+        opt = fxopt.optimize(_Functional(fn), inputs, mode="training", passes=[])
+        return [getattr(kept_product(n), "kind", None) for n in opt.graph_module.graph.nodes if n.op == "call_function"]
+
+    m, b = torch.randn(4, 4), torch.randn(4)
+    assert kinds(lambda x: torch.addmm(b, x, m), torch.randn(3, 4)) == ["addmm"]
+    assert kinds(lambda x: torch.addmm(b, x, m, beta=0.5), torch.randn(3, 4)) == [None]
+    assert kinds(lambda x: F.linear(x, m), torch.randn(2, 3, 4)) == ["linear"]
+    assert kinds(lambda x: x @ m.expand(2, 4, 4), torch.randn(2, 3, 4)) == [None, "matmul"]
+    assert kinds(lambda x: x @ m, torch.randn(2, 3, 4)) == [None]
+    assert kinds(lambda x: x @ m[0], torch.randn(3, 4)) == [None, None]

@@ -1,0 +1,199 @@
+"""Ops of a selective region that keep their own outputs (fxopt.analysis.kept_outputs says which).
+
+Each runs as an autograd Function: the region's first run computes the op and keeps its output (RegionRun), a
+recomputation hands that output back instead of computing it, and both save the op's inputs for backward, so
+checkpoint sees the same saved tensors on both runs. The Function's backward makes the calls autograd's own nodes
+for the op make over those inputs:
+
+  convolution   ATen's `convolution_backward`
+  products      the `mm` / `bmm` of the matmul formulas, each operand in the layout ATen's path through the op
+                gives it (`linear` flattens its input to a matrix, `matmul` of batched operands expands and folds
+                them to `bmm`'s three dims), the bias's gradient summed as autograd sums a broadcast one
+
+so gradients come out with the same bits as without the region (tests/test_kept_outputs.py checks each path).
+Under autocast an op runs as its node did, recomputed with the rest: autocast casts the inputs of the op the graph
+calls, not of the one the Function would.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..analysis.kept_outputs import ConvolutionArguments
+from ..graph_functions import graph_function, import_by_name
+from ._region_run import RegionRun, keep_output, take_output
+
+aten = torch.ops.aten
+
+_PRODUCTS = {"linear": torch.nn.functional.linear, "addmm": torch.addmm, "mm": torch.mm, "bmm": torch.bmm,
+             "matmul": torch.matmul}
+
+
+def _output_once(run: RegionRun, key: str, compute) -> torch.Tensor:
+    """`compute()` on the first run, kept; on a recomputation, what it kept."""
+    if not run.first:
+        return take_output(run, key)
+    out = compute()
+    keep_output(run, key, out)
+    return out
+
+
+class _ConvolutionKeepingOutput(torch.autograd.Function):
+    """A convolution keeping its output (module docstring); backward: ATen's convolution_backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, arguments: ConvolutionArguments, key: str, run: RegionRun):
+        out = _output_once(run, key, lambda: aten.convolution(x, weight, bias, *arguments))
+        ctx.save_for_backward(x, weight)
+        ctx.arguments, ctx.bias_sizes = arguments, None if bias is None else list(bias.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grads = torch.ops.aten.convolution_backward(grad, x, weight, ctx.bias_sizes, *ctx.arguments,
+                                                    list(ctx.needs_input_grad[:3]))
+        return *grads, None, None, None
+
+
+def _mm_grad_of_first(grad, mat1, mat2):
+    """d(mat1 @ mat2)/d mat1 as autograd's mm node computes it: column-major where mat1 was."""
+    if mat1.stride(0) == 1 and mat1.stride(1) == mat1.size(0):
+        return mat2.mm(grad.t()).t()
+    return grad.mm(mat2.t())
+
+
+def _mm_grad_of_second(grad, mat1, mat2):
+    """d(mat1 @ mat2)/d mat2 as autograd's mm node computes it: column-major where mat2 was."""
+    if mat2.stride(0) == 1 and mat2.stride(1) == mat2.size(0):
+        return grad.t().mm(mat1).t()
+    return mat1.t().mm(grad)
+
+
+class _Linear:
+    """`linear(x, weight, bias)`: ATen runs it as `addmm` over x flattened to a matrix (a view where x is
+    contiguous; else through `matmul`, which copies x so, and an in-place bias add); autograd saves that matrix."""
+
+    @staticmethod
+    def saved(ctx, x, weight, bias):
+        ctx.x_shape, ctx.has_bias, ctx.fused = x.shape, bias is not None, x.dim() == 2 or x.is_contiguous()
+        return x.reshape(-1, x.size(-1)), weight
+
+    @staticmethod
+    def compute(ctx, operands, saved):
+        return torch.nn.functional.linear(*operands)
+
+    @staticmethod
+    def grads(ctx, grad, x2, weight, needed):
+        grad2, weight_t = grad.reshape(-1, grad.size(-1)), weight.t()
+        return (_mm_grad_of_first(grad2, x2, weight_t).reshape(ctx.x_shape) if needed[0] else None,
+                _mm_grad_of_second(grad2, x2, weight_t).t() if needed[1] else None,
+                # addmm's bias gradient sums the flattened gradient; the in-place add's, the gradient as it is
+                (grad2 if ctx.fused else grad).sum_to_size(weight.size(0)) if ctx.has_bias and needed[2] else None)
+
+
+class _Addmm:
+    """`addmm(bias, mat1, mat2)` (beta and alpha 1): autograd saves the matrices; the bias's gradient is summed as
+    autograd sums a broadcast one."""
+
+    @staticmethod
+    def saved(ctx, bias, mat1, mat2):
+        ctx.bias_shape = bias.shape
+        return mat1, mat2
+
+    @staticmethod
+    def compute(ctx, operands, saved):
+        return torch.addmm(*operands)
+
+    @staticmethod
+    def grads(ctx, grad, mat1, mat2, needed):
+        return (grad.sum_to_size(ctx.bias_shape) if needed[0] else None,
+                _mm_grad_of_first(grad, mat1, mat2) if needed[1] else None,
+                _mm_grad_of_second(grad, mat1, mat2) if needed[2] else None)
+
+
+class _Mm:
+    """`mm(a, b)`."""
+
+    @staticmethod
+    def saved(ctx, a, b):
+        return a, b
+
+    @staticmethod
+    def compute(ctx, operands, saved):
+        return torch.mm(*operands)
+
+    @staticmethod
+    def grads(ctx, grad, a, b, needed):
+        return (_mm_grad_of_first(grad, a, b) if needed[0] else None,
+                _mm_grad_of_second(grad, a, b) if needed[1] else None)
+
+
+class _Batched:
+    """`matmul(a, b)` of batched a and b, and `bmm`: ATen expands both to the broadcast batch, folds it into one
+    dim (a copy where that is no view) and calls `bmm`; autograd saves the folded operands."""
+
+    @staticmethod
+    def saved(ctx, a, b):
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        n, m, p, count = a.size(-2), a.size(-1), b.size(-1), batch.numel()
+        ctx.a_shape, ctx.b_shape, ctx.out_shape = a.shape, b.shape, (*batch, n, p)
+        return a.expand(*batch, n, m).reshape(count, n, m), b.expand(*batch, m, p).reshape(count, m, p)
+
+    @staticmethod
+    def compute(ctx, operands, saved):
+        a3, b3 = saved
+        return a3.bmm(b3).view(ctx.out_shape)  # as ATen's matmul: bmm of the folded operands, unfolded
+
+    @staticmethod
+    def grads(ctx, grad, a3, b3, needed):
+        grad3 = grad.reshape(a3.size(0), a3.size(1), b3.size(2))
+        batch = ctx.out_shape[:-2]
+        return (grad3.bmm(b3.transpose(1, 2)).reshape(*batch, *a3.shape[1:]).sum_to_size(ctx.a_shape)
+                if needed[0] else None,
+                a3.transpose(1, 2).bmm(grad3).reshape(*batch, *b3.shape[1:]).sum_to_size(ctx.b_shape)
+                if needed[1] else None)
+
+
+_PRODUCTS = {"linear": _Linear, "addmm": _Addmm, "mm": _Mm, "bmm": _Batched, "matmul": _Batched}
+
+
+class _ProductKeepingOutput(torch.autograd.Function):
+    """A matrix product keeping its output (module docstring); `kind` a key of _PRODUCTS, `operands` its tensors
+    in the op's order. Its backward keeps what autograd's own node for the op keeps."""
+
+    @staticmethod
+    def forward(ctx, kind: str, key: str, run: RegionRun, *operands):
+        product = _PRODUCTS[kind]
+        saved = product.saved(ctx, *operands)
+        out = _output_once(run, key, lambda: product.compute(ctx, operands, saved))
+        ctx.save_for_backward(*saved)
+        ctx.product = product
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, *ctx.product.grads(ctx, grad, *ctx.saved_tensors, ctx.needs_input_grad[3:])
+
+
+def _as_written(original: tuple):
+    """Call `original` (target, args, kwargs), its target an ATen op or a function's importable name."""
+    target, args, kwargs = original
+    return (import_by_name(target) if isinstance(target, str) else target)(*args, **kwargs)
+
+
+@graph_function(name="convolution")
+def convolution_once(x, weight, bias, arguments: ConvolutionArguments, key: str, run: RegionRun, original: tuple):
+    """A convolution in a selective region, its output computed on the first run only and kept (`key`: its node's
+    name); under autocast as the node did (`original`: its target or the target's importable name, args, kwargs)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return _as_written(original)
+    return _ConvolutionKeepingOutput.apply(x, weight, bias, arguments, key, run)
+
+
+@graph_function(name="matmul")
+def product_once(kind: str, operands: tuple, key: str, run: RegionRun, original: tuple):
+    """A matrix product in a selective region (`kind`, its tensor `operands`), its output computed on the first run
+    only and kept (`key`: its node's name); under autocast as the node did (`original`: as convolution_once's)."""
+    if torch.is_autocast_enabled(operands[0].device.type):
+        return _as_written(original)
+    return _ProductKeepingOutput.apply(kind, key, run, *operands)

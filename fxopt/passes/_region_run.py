@@ -1,0 +1,40 @@
+"""One run of a checkpointed region's body, and the values its first run keeps for its recomputation.
+
+A region (fxopt.passes._checkpoint_region) whose body runs BatchNorm, replays dropout or keeps op outputs itself
+calls the body with a `RegionRun` first: the forward (`first`) or a recomputation. What the first run keeps for the
+recomputation lives in `scratch`, one dict per call of the region.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class RegionRun:
+    """One run of a region body: the forward (`first`) or a recomputation. `scratch` lives across the
+    runs of one call: per running statistic, a throwaway copy the recomputation updates instead; per op whose
+    output the region keeps, that output."""
+
+    first: bool
+    scratch: dict
+
+
+def keep_output(run: RegionRun, key: str, out: torch.Tensor) -> None:
+    """On the first run: keep `out`, the output of the op named `key`, for the recomputation (take_output)."""
+    run.scratch[key] = (out.detach(), out._version)
+
+
+def take_output(run: RegionRun, key: str) -> torch.Tensor:
+    """On a recomputation: the output keep_output kept for `key`, taken, not read (from here on the recomputation's
+    graph holds it only as long as it needs it); a clear error where a second backward or an in-place write makes
+    it unusable."""
+    if key not in run.scratch:
+        raise RuntimeError("fxopt: a second backward through a selective checkpointed region (its kept "
+                           f"output of {key!r} was used by the first): backward through it only once")
+    kept, version = run.scratch.pop(key)
+    if kept._version != version:
+        raise RuntimeError(f"fxopt: the output of {key!r}, kept by a checkpointed region for its "
+                           "backward, was written in place after the region's forward")
+    return kept.detach()  # a tensor of its own for this run's autograd graph, on the kept storage
