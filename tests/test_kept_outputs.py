@@ -16,6 +16,8 @@ from fxopt.analysis.region_overhead import RegionOverhead
 from fxopt.capture.saving import keep_graph_when_pickled
 from fxopt.passes._checkpoint_region import CheckpointedRegion, extract_region
 
+from equivalence import assert_same_step
+from graph_forms import function_form
 from named_regions import extract_regions
 
 
@@ -357,3 +359,18 @@ def test_which_products_are_kept():
     assert kinds(lambda x: x @ m.expand(2, 4, 4), torch.randn(2, 3, 4)) == [None, "matmul"]
     assert kinds(lambda x: x @ m, torch.randn(2, 3, 4)) == [None]
     assert kinds(lambda x: x @ m[0], torch.randn(3, 4)) == [None, None]
+
+
+def test_torch_function_graph_keeps_its_products_and_convolutions():
+    """In a graph of torch functions (the form TorchDynamo hands over: `F.conv2d`, `F.linear`), a selective region
+    keeps its convolution's and linear's outputs itself, its code compiles (each function is held by name), and a
+    training step matches eager in float64."""
+    torch.manual_seed(0)
+    model = _Convolutions(LAYERS["conv2d"][0], norm=lambda c: nn.Identity(), tail=nn.Linear(8, 3)).double().train()
+    x = torch.randn(2, 8, 6, 6, dtype=torch.float64)
+    gm = function_form(model, (x,))
+    profile = step_profile(gm)
+    extract_regions(gm, profile, [Region(0, len(profile.steps), save_counted=True)])
+    (region,) = [m for m in gm.modules() if isinstance(m, CheckpointedRegion)]
+    assert region.kind == "selective (matmul/conv outputs kept by the region)"
+    assert_same_step(model, gm, (x,), training=True, rtol=0, atol=1e-12)

@@ -1,9 +1,10 @@
 """Ops of a selective region that keep their own outputs (fxopt.analysis.kept_outputs says which).
 
 Each runs as an autograd Function: the region's first run computes the op and keeps its output (RegionRun), a
-recomputation hands that output back instead of computing it, and both save the op's inputs for backward, so
-checkpoint sees the same saved tensors on both runs. The Function's backward makes the calls autograd's own nodes
-for the op make over those inputs:
+recomputation hands that output back instead of computing it, and both save what autograd's own node for the op
+saves (the inputs; a product's operands in the form ATen's path through it gives them, copies where it copies), so
+checkpoint sees the same saved tensors on both runs and the memory model's account of them holds. The Function's
+backward makes the calls that node makes over them:
 
   convolution   ATen's `convolution_backward`
   products      the `mm` / `bmm` of the matmul formulas, each operand in the layout ATen's path through the op
@@ -23,10 +24,6 @@ from ..graph_functions import graph_function, import_by_name
 from ._region_run import RegionRun, keep_output, take_output
 
 aten = torch.ops.aten
-
-_PRODUCTS = {"linear": torch.nn.functional.linear, "addmm": torch.addmm, "mm": torch.mm, "bmm": torch.bmm,
-             "matmul": torch.matmul}
-
 
 def _output_once(run: RegionRun, key: str, compute) -> torch.Tensor:
     """`compute()` on the first run, kept; on a recomputation, what it kept."""
