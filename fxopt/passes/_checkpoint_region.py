@@ -13,7 +13,8 @@ throwaway copies of the running statistics when recomputed. With `save_counted`,
 also keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and
 recomputes only the rest; where every op it keeps is a convolution or a matrix product, the region keeps their
 outputs itself (`convolution_once` / `product_once`: fxopt.passes._kept_outputs, fxopt.analysis.kept_outputs) and
-its other ops run without the policy's dispatch mode. A train-mode dropout on CPU runs as `dropout_once`: the mask its first run draws is kept, and a recomputation rebuilds the noise from it (fxopt.analysis.dropout_replay).
+its other ops run without the policy's dispatch mode. A train-mode dropout on CPU runs as `dropout_once`: the mask
+its first run draws is kept, and a recomputation rebuilds the noise from it (fxopt.analysis.dropout_replay).
 
 The body's modules and tensors are the parent graph's own (not registered a second time), so
 `state_dict()` keeps the original keys. Before / after::
@@ -176,8 +177,10 @@ def _batch_norm_once_call(body: fx.Graph, node: fx.Node, env: dict, run: fx.Node
 def _kept_output_call(body: fx.Graph, node: fx.Node, how: ConvolutionArguments | ProductCall, env: dict,
                       run: fx.Node) -> fx.Node:
     """The body's call of `node` keeping its output (`how`: fxopt.analysis.kept_outputs.kept_output)."""
-    target = node.target if isinstance(node.target, _torch_private.op_overload_types()) else importable_name(node.target)
-    original = fx.map_arg((target, node.args, node.kwargs), lambda a: env[a])  # fx prints a function by name only
+    target = node.target
+    if not isinstance(target, _torch_private.op_overload_types()):
+        target = importable_name(target)  # fx prints a function as an argument by name only
+    original = fx.map_arg((target, node.args, node.kwargs), lambda a: env[a])
     if isinstance(how, ProductCall):
         operands = tuple(env[a] if a is not None else None for a in how.operands)
         return body.call_function(product_once, (how.kind, operands, node.name, run, original))
