@@ -181,16 +181,26 @@ HEADERS = ["model", "variant", "peak", "peak MB", "step time", "fastest step", "
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="bert,gpt2,vit,convnext_t,resnet50,mobilenet_v2")
-    parser.add_argument("--rounds", type=int, default=3)
+    add_common_arguments(parser, "bert,gpt2,vit,convnext_t,resnet50,mobilenet_v2", rounds=3)
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--steady-heap", action="store_true", help="no page faults from malloc (module docstring)")
     args = parser.parse_args()
+    models = prepare(args)
+    print_tables(args.models.split(","), lambda name: run_model(name, *models[name], args.rounds, args.compile), HEADERS)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, models: str, rounds: int) -> None:
+    """--models, --rounds and --steady-heap, with these defaults (the training benchmarks share them)."""
+    parser.add_argument("--models", default=models)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steady-heap", action="store_true", help="no page faults from malloc (module docstring)")
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    """The heap as --steady-heap asks, one torch thread (the clock's premise), and the models by name."""
     if args.steady_heap:
         _steady_heap()
     torch.set_num_threads(1)
-    models = _models()
-    print_tables(args.models.split(","), lambda name: run_model(name, *models[name], args.rounds, args.compile), HEADERS)
+    return _models()
 
 
 def print_tables(names: list[str], rows_of, headers: list[str]) -> None:

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 import fxopt
-from checkpoint_vs_peers import LastHiddenState, _models, _peak, _steady_heap, _timed, print_tables
+from checkpoint_vs_peers import LastHiddenState, _peak, _timed, add_common_arguments, prepare, print_tables
 from fxopt.passes._checkpoint_region import CheckpointedRegion, _save_counted_ops
 from fxopt.passes._kept_outputs import product_once
 
@@ -80,15 +80,10 @@ def run_model(factory, x, budget: float, rounds: int) -> list[list]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="bert,gpt2,vit,convnext_t")
+    add_common_arguments(parser, "bert,gpt2,vit,convnext_t", rounds=15)
     parser.add_argument("--budget", type=float, default=0.5)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steady-heap", action="store_true", help="no page faults from malloc (module docstring)")
     args = parser.parse_args()
-    if args.steady_heap:
-        _steady_heap()
-    torch.set_num_threads(1)
-    models = _models()
+    models = prepare(args)
 
     def rows_of(name: str) -> list[list]:
         factory, x, _blocks = models[name]

@@ -20,7 +20,7 @@ import warnings
 import torch
 
 import fxopt
-from checkpoint_vs_peers import LastHiddenState, _models, _steady_heap, _timed, print_tables
+from checkpoint_vs_peers import LastHiddenState, _timed, add_common_arguments, prepare, print_tables
 
 HEADERS = ["model", "budget", "regions", "predicted ms", "measured ms", "measured / predicted"]
 
@@ -59,15 +59,10 @@ def run_model(factory, x, budgets: list[float], rounds: int) -> list[list]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="bert,gpt2,vit")
+    add_common_arguments(parser, "bert,gpt2,vit", rounds=11)
     parser.add_argument("--budgets", default="0.5")
-    parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--steady-heap", action="store_true", help="no page faults from malloc (module docstring)")
     args = parser.parse_args()
-    if args.steady_heap:
-        _steady_heap()
-    torch.set_num_threads(1)
-    models, budgets = _models(), [float(b) for b in args.budgets.split(",")]
+    models, budgets = prepare(args), [float(b) for b in args.budgets.split(",")]
 
     def rows_of(name: str) -> list[list]:
         factory, x, _blocks = models[name]

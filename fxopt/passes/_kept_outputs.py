@@ -66,78 +66,87 @@ def _mm_grad_of_second(grad, mat1, mat2):
     return mat1.t().mm(grad)
 
 
-class _Linear:
-    """`linear(x, weight, bias)`: ATen runs it as `addmm` over x flattened to a matrix (a view where x is
-    contiguous; else through `matmul`, which copies x so, and an in-place bias add); autograd saves that matrix."""
+def _mm_grads(grad, mat1, mat2, needed) -> tuple:
+    """The gradients of `mat1 @ mat2` that `needed` asks for, as autograd's mm node computes them."""
+    return (_mm_grad_of_first(grad, mat1, mat2) if needed[0] else None,
+            _mm_grad_of_second(grad, mat1, mat2) if needed[1] else None)
+
+
+class _Product:
+    """One kind of matrix product (`op`): what its backward saves (`saved`, which may note facts on ctx), its output
+    (`compute`, on the first run only) and its operands' gradients (`grads`)."""
+
+    op = None
+
+    @classmethod
+    def saved(cls, ctx, *operands) -> tuple:
+        return operands
+
+    @classmethod
+    def compute(cls, ctx, operands, saved):
+        return cls.op(*operands)
+
+
+class _Mm(_Product):
+    """`mm(a, b)`."""
+
+    op = torch.mm
 
     @staticmethod
-    def saved(ctx, x, weight, bias):
-        ctx.x_shape, ctx.has_bias, ctx.fused = x.shape, bias is not None, x.dim() == 2 or x.is_contiguous()
-        return x.reshape(-1, x.size(-1)), weight
-
-    @staticmethod
-    def compute(ctx, operands, saved):
-        return torch.nn.functional.linear(*operands)
-
-    @staticmethod
-    def grads(ctx, grad, x2, weight, needed):
-        grad2, weight_t = grad.reshape(-1, grad.size(-1)), weight.t()
-        return (_mm_grad_of_first(grad2, x2, weight_t).reshape(ctx.x_shape) if needed[0] else None,
-                _mm_grad_of_second(grad2, x2, weight_t).t() if needed[1] else None,
-                # addmm's bias gradient sums the flattened gradient; the in-place add's, the gradient as it is
-                (grad2 if ctx.fused else grad).sum_to_size(weight.size(0)) if ctx.has_bias and needed[2] else None)
+    def grads(ctx, grad, a, b, needed):
+        return _mm_grads(grad, a, b, needed)
 
 
-class _Addmm:
+class _Addmm(_Product):
     """`addmm(bias, mat1, mat2)` (beta and alpha 1): autograd saves the matrices; the bias's gradient is summed as
     autograd sums a broadcast one."""
 
-    @staticmethod
-    def saved(ctx, bias, mat1, mat2):
+    op = torch.addmm
+
+    @classmethod
+    def saved(cls, ctx, bias, mat1, mat2):
         ctx.bias_shape = bias.shape
         return mat1, mat2
 
     @staticmethod
-    def compute(ctx, operands, saved):
-        return torch.addmm(*operands)
-
-    @staticmethod
     def grads(ctx, grad, mat1, mat2, needed):
-        return (grad.sum_to_size(ctx.bias_shape) if needed[0] else None,
-                _mm_grad_of_first(grad, mat1, mat2) if needed[1] else None,
-                _mm_grad_of_second(grad, mat1, mat2) if needed[2] else None)
+        return grad.sum_to_size(ctx.bias_shape) if needed[0] else None, *_mm_grads(grad, mat1, mat2, needed[1:])
 
 
-class _Mm:
-    """`mm(a, b)`."""
+class _Linear(_Product):
+    """`linear(x, weight, bias)`: ATen runs it as `addmm` over x flattened to a matrix (a view where x is
+    contiguous; else through `matmul`, which copies x so, and an in-place bias add); autograd saves that matrix."""
 
-    @staticmethod
-    def saved(ctx, a, b):
-        return a, b
+    op = torch.nn.functional.linear
 
-    @staticmethod
-    def compute(ctx, operands, saved):
-        return torch.mm(*operands)
+    @classmethod
+    def saved(cls, ctx, x, weight, bias):
+        ctx.x_shape, ctx.has_bias, ctx.fused = x.shape, bias is not None, x.dim() == 2 or x.is_contiguous()
+        return x.reshape(-1, x.size(-1)), weight
 
     @staticmethod
-    def grads(ctx, grad, a, b, needed):
-        return (_mm_grad_of_first(grad, a, b) if needed[0] else None,
-                _mm_grad_of_second(grad, a, b) if needed[1] else None)
+    def grads(ctx, grad, x2, weight, needed):
+        grad2 = grad.reshape(-1, grad.size(-1))
+        grad_x2, grad_weight_t = _mm_grads(grad2, x2, weight.t(), needed[:2])
+        return (grad_x2.reshape(ctx.x_shape) if needed[0] else None,
+                grad_weight_t.t() if needed[1] else None,
+                # addmm's bias gradient sums the flattened gradient; the in-place add's, the gradient as it is
+                (grad2 if ctx.fused else grad).sum_to_size(weight.size(0)) if ctx.has_bias and needed[2] else None)
 
 
-class _Batched:
+class _Batched(_Product):
     """`matmul(a, b)` of batched a and b, and `bmm`: ATen expands both to the broadcast batch, folds it into one
     dim (a copy where that is no view) and calls `bmm`; autograd saves the folded operands."""
 
-    @staticmethod
-    def saved(ctx, a, b):
+    @classmethod
+    def saved(cls, ctx, a, b):
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         n, m, p, count = a.size(-2), a.size(-1), b.size(-1), batch.numel()
         ctx.a_shape, ctx.b_shape, ctx.out_shape = a.shape, b.shape, (*batch, n, p)
         return a.expand(*batch, n, m).reshape(count, n, m), b.expand(*batch, m, p).reshape(count, m, p)
 
-    @staticmethod
-    def compute(ctx, operands, saved):
+    @classmethod
+    def compute(cls, ctx, operands, saved):
         a3, b3 = saved
         return a3.bmm(b3).view(ctx.out_shape)  # as ATen's matmul: bmm of the folded operands, unfolded
 
