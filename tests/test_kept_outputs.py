@@ -213,15 +213,16 @@ class _Functional(nn.Module):
 
 
 def test_region_price_per_op():
-    """A selective region that keeps only convolutions is priced per op as a whole region (no dispatch mode); one
-    that keeps an einsum at the selective policy's price per op."""
+    """A selective region that keeps only convolutions and linears is priced per op as a whole region (no dispatch
+    mode); one that keeps an einsum at the selective policy's price per op."""
     torch.manual_seed(0)
     x = torch.randn(2, 8, 10, 10)
-    convs = fxopt.optimize(_Convolutions(LAYERS["conv2d"][0]).train(), (x,), mode="training", passes=[])
+    linear = fxopt.optimize(_Convolutions(LAYERS["conv2d"][0], tail=nn.Linear(8, 3)).train(), (x,), mode="training",
+                            passes=[])
     head = fxopt.optimize(_Convolutions(LAYERS["conv2d"][0], tail=_EinsumHead()).train(), (x,), mode="training",
                           passes=[])
     overhead = RegionOverhead(per_region=0.0, per_op=1e-6, selective_per_region=0.0, selective_per_op=3e-5)
-    for opt, expected in ((convs, 1e-6), (head, 3e-5)):
+    for opt, expected in ((linear, 1e-6), (head, 3e-5)):
         profile = step_profile(opt.graph_module)
         profile.overhead = overhead
         assert profile.overhead_per_op(Region(0, len(profile.steps), save_counted=True)) == expected
