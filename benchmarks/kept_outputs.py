@@ -8,9 +8,11 @@ policy, whose Python dispatch mode sees every op of the region's forward and rec
 policy"); each round times one training step of eager and of both (interleaved, thread CPU time with one torch
 thread, as checkpoint_vs_peers.py). Printed: each variant's peak and step over eager's (median of per-round ratios),
 and the median of per-round differences between the two plans' steps, with the lowest and highest in brackets.
---steady-heap as in checkpoint_vs_peers.py.
+--block: instead of the model, its first block alone (on the hidden states the model hands it), all of it one
+selective region: the mechanism's own cost, which a whole step's noise (several percent a round on a shared
+machine) hides. --steady-heap as in checkpoint_vs_peers.py.
 
-    python benchmarks/kept_outputs.py [--models vit,gpt2] [--budget 0.5] [--rounds 15] [--steady-heap]
+    python benchmarks/kept_outputs.py [--models vit,gpt2] [--budget 0.5] [--rounds 15] [--block] [--steady-heap]
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import torch
 
 import fxopt
 from checkpoint_vs_peers import LastHiddenState, _peak, _timed, add_common_arguments, prepare, print_tables
-from fxopt.passes._checkpoint_region import CheckpointedRegion, _save_counted_ops
+from fxopt.analysis.memory import step_profile
+from fxopt.passes._checkpoint_region import CheckpointedRegion, _save_counted_ops, extract_region
 from fxopt.passes._kept_outputs import product_once
 
 HEADERS = ["model", "variant", "selective regions", "peak", "step", "SAC policy - kept by region, ms"]
@@ -51,13 +54,47 @@ def under_torch_policy(graph_module: torch.nn.Module) -> torch.nn.Module:
     return twin
 
 
-def run_model(factory, x, budget: float, rounds: int) -> list[list]:
+class _Block(torch.nn.Module):
+    """A block called as its model calls it (`kwargs`: the other arguments it was given), returning its first
+    output."""
+
+    def __init__(self, block: torch.nn.Module, kwargs: dict):
+        super().__init__()
+        self.block, self.kwargs = block, kwargs
+
+    def forward(self, hidden):
+        out = self.block(hidden, **self.kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def first_block_in_one_region(model: torch.nn.Module, x, blocks_path: str) -> tuple:
+    """(the model's first block as its model calls it, the hidden states it gets, that block captured with all of
+    it one selective region)."""
+    block, seen = model.get_submodule(f"model.{blocks_path}")[0], {}
+    hook = block.register_forward_pre_hook(lambda m, args, kwargs: seen.update(args=args, kwargs=kwargs),
+                                           with_kwargs=True)
+    with torch.no_grad():
+        model(x)
+    hook.remove()
+    wrapped, hidden = _Block(block, seen["kwargs"]), seen["args"][0].detach().requires_grad_()
+    graph_module = fxopt.optimize(wrapped, (hidden,), mode="training", passes=[]).graph_module
+    profile = step_profile(graph_module)
+    nodes = [step.node for step in profile.steps]
+    extract_region(graph_module, nodes, "checkpointed_block", save_counted=True,
+                   counted=[step.node for step in profile.steps if step.counted])
+    graph_module.recompile()
+    return wrapped, hidden, graph_module
+
+
+def run_model(factory, x, blocks_path: str, budget: float, rounds: int, block: bool) -> list[list]:
     torch.manual_seed(0)
     base = LastHiddenState(factory()).train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # an unmet budget's warning: the table shows the plan taken
-        optimized = fxopt.optimize(base, (x,), mode="training", memory_budget=budget)
-    ours = optimized.graph_module
+    if block:
+        base, x, ours = first_block_in_one_region(base, x, blocks_path)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an unmet budget's warning: the table shows the plan taken
+            ours = fxopt.optimize(base, (x,), mode="training", memory_budget=budget).graph_module
     variants = {"eager": base, "kept by region": ours, "SAC policy": under_torch_policy(ours)}
     eager_peak = _peak(base, base, x)
     times = {k: [] for k in variants}
@@ -82,12 +119,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser, "bert,gpt2,vit,convnext_t", rounds=15)
     parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--block", action="store_true", help="the first block alone, one region (module docstring)")
     args = parser.parse_args()
     models = prepare(args)
 
     def rows_of(name: str) -> list[list]:
-        factory, x, _blocks = models[name]
-        return [[name, *row] for row in run_model(factory, x, args.budget, args.rounds)]
+        factory, x, blocks_path = models[name]
+        return [[name, *row] for row in run_model(factory, x, blocks_path, args.budget, args.rounds, args.block)]
 
     print_tables(args.models.split(","), rows_of, HEADERS)
 
