@@ -25,6 +25,7 @@ from ._region_run import RegionRun, keep_output, take_output
 
 aten = torch.ops.aten
 
+
 def _output_once(run: RegionRun, key: str, compute) -> torch.Tensor:
     """`compute()` on the first run, kept; on a recomputation, what it kept."""
     if not run.first:
@@ -47,8 +48,8 @@ class _ConvolutionKeepingOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grads = torch.ops.aten.convolution_backward(grad, x, weight, ctx.bias_sizes, *ctx.arguments,
-                                                    list(ctx.needs_input_grad[:3]))
+        grads = aten.convolution_backward(grad, x, weight, ctx.bias_sizes, *ctx.arguments,
+                                          list(ctx.needs_input_grad[:3]))
         return *grads, None, None, None
 
 
