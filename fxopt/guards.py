@@ -33,15 +33,18 @@ Kinds (what `expected` holds):
                  bound (a value baked into the graph; catches `copy_`, optimizer steps, `load_state_dict`,
                  `p.data = t`; NOT `p.data.mul_()`, which bumps no version counter)
   SETTINGS       module path     -> ((name, value), ...): the module's plain attributes (numbers, strings,
-                 flags, dtypes, tuples of them: `Dropout.p`, `LeakyReLU.negative_slope`, `BatchNorm.eps`)
-                 and those of the plain objects it holds (an HF config: `config.output_attentions`), as
-                 captured. torch.export reads them once and bakes them into the graph; reassigning one
-                 (`model.drop.p = 0.2`) is caught, mutating a list or dict in place is not
+                 flags, dtypes, and tuples, lists, sets and dicts of them: `Dropout.p`,
+                 `LeakyReLU.negative_slope`, `BatchNorm.eps`) and those of the plain objects it holds (an HF
+                 config: `config.output_attentions`), as captured. torch.export reads them once and bakes
+                 them into the graph; reassigning one (`model.drop.p = 0.2`) is caught, and so is changing
+                 a list or dict in place (`model.sizes[0] = 8`): lists, sets and dicts are recorded as
+                 copies and compared by value
   CALL           graph path      -> an object with `mismatch(args, kwargs) -> str | None` (None: the
                  graph may take the call, else why not) and `describe()`: capture's own call check (CallSpec)
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import operator
@@ -209,10 +212,24 @@ _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, 
 
 def _is_plain(value) -> bool:
     """A value export bakes into a graph as a constant and `==` compares cheaply: a number, string, flag,
-    dtype, device or enum member, or a tuple or frozenset of those (a Conv's `padding`)."""
-    if isinstance(value, (tuple, frozenset)):
+    dtype, device or enum member, or a tuple, list, set or dict of those (a Conv's `padding`, a list of sizes)."""
+    if isinstance(value, (tuple, list, set, frozenset)):
         return all(map(_is_plain, value))
+    if isinstance(value, dict):
+        return all(map(_is_plain, value.keys())) and all(map(_is_plain, value.values()))
     return isinstance(value, _PLAIN_TYPES)
+
+
+def _recorded(value):
+    """What a SETTINGS guard keeps of a plain value: a copy of one that can change in place (a list, set or dict,
+    also inside a tuple), so that a later in-place change no longer compares equal; the value itself otherwise."""
+    return copy.deepcopy(value) if _holds_mutable(value) else value
+
+
+def _holds_mutable(value) -> bool:
+    if isinstance(value, (list, set, dict)):
+        return True
+    return isinstance(value, (tuple, frozenset)) and any(map(_holds_mutable, value))
 
 
 def _holds_settings(value) -> bool:
@@ -229,10 +246,10 @@ def _settings(module: torch.nn.Module, objects_read: set[int]) -> tuple[tuple[st
         if name in _MODULE_INTERNALS:
             continue
         if _is_plain(value):
-            settings.append((name, value))
+            settings.append((name, _recorded(value)))
         elif _holds_settings(value) and id(value) not in objects_read:
             objects_read.add(id(value))
-            settings += [(f"{name}.{key}", v) for key, v in vars(value).items() if _is_plain(v)]
+            settings += [(f"{name}.{key}", _recorded(v)) for key, v in vars(value).items() if _is_plain(v)]
     return tuple(settings)
 
 

@@ -67,16 +67,69 @@ def test_inference_result_follows_a_changed_setting(change):
 
 
 def test_only_plain_values_are_guarded():
-    """Numbers, strings and tuples of them are recorded; a list, a tensor attribute or a function is not, and a
-    config shared by several modules is recorded once."""
+    """Numbers, strings and containers of them are recorded (lists as copies); a tensor attribute, a function or a
+    list holding a tensor is not, and a config shared by several modules is recorded once."""
     model = nn.Sequential(ScaledLeaky(), ScaledLeaky())
     model[1].config = model[0].config
     model[0].cache = torch.zeros(2)
     model[0].hook = print
+    model[0].tensors = [torch.zeros(1)]
     settings = {g.target: dict(g.expected) for g in model_state_guards(model, "test") if g.kind == SETTINGS}
-    assert settings["0"] == {"config.scale": 2.0, "config.name": "scaled"}
+    assert settings["0"] == {"config.scale": 2.0, "config.name": "scaled", "config.sizes": [4]}
+    assert settings["0"]["config.sizes"] is not model[0].config.sizes
     assert "1" not in settings  # nothing of its own but the config, already recorded at "0"
     assert settings["0.act"] == {"negative_slope": 0.1, "inplace": False}
+
+
+class ReadsContainers(nn.Module):
+    """Reads a list, a dict and a tuple holding a list in its forward: export bakes their current values in."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scales = [1.0, 2.0]
+        self.shift = {"value": 0.5}
+        self.clamp = (-1.0, [3.0])
+
+    def forward(self, x):
+        return (self.fc(x) * self.scales[1] + self.shift["value"]).clamp(self.clamp[0], self.clamp[1][0])
+
+
+CONTAINER_CHANGES = {
+    "list item": lambda m: m.scales.__setitem__(1, 3.0),
+    "list appended": lambda m: m.scales.append(9.0) or m.scales.pop(1),
+    "dict item": lambda m: m.shift.update(value=-0.25),
+    "list in a tuple": lambda m: m.clamp[1].__setitem__(0, 0.75),
+    "list replaced": lambda m: setattr(m, "scales", [1.0, -2.0]),
+}
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+@pytest.mark.parametrize("change", sorted(CONTAINER_CHANGES))
+def test_a_list_or_dict_changed_in_place_is_honoured(change, mode):
+    """A list or dict the forward reads, changed in place after optimize (on the result), computes the new values:
+    outputs, gradients and buffers as eager's after the same change, with a warning naming the setting."""
+    torch.manual_seed(0)
+    model, x = ReadsContainers().train(mode == "training"), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, x, mode=mode)
+    backward = mode == "training"
+    assert_same(step(reference, x, backward=backward), step(result, x, backward=backward), tol=0)
+    for target in (result, reference):
+        CONTAINER_CHANGES[change](target)
+    with pytest.warns(UserWarning, match="scales|shift|clamp"):
+        got = step(result, x, backward=backward)
+    assert_same(step(reference, x, backward=backward), got, tol=0)
+
+
+def test_setting_a_plain_attribute_on_the_result_sets_it_on_the_model():
+    """`result.scales = [...]` changes what the model reads (the result stands for it), not a shadow attribute."""
+    model = ReadsContainers().eval()
+    result = optimize_quietly(model, torch.randn(3, 4))
+    result.scales = [1.0, 4.0]
+    assert result.original.scales == [1.0, 4.0] and "scales" not in vars(result)
+    result.fxopt_note = "mine"  # a name the model does not have stays on the result
+    assert result.fxopt_note == "mine" and not hasattr(result.original, "fxopt_note")
 
 
 def test_hugging_face_attention_flag_changed_after_optimize():

@@ -3,7 +3,8 @@
 An `OptimizedModule` stands for one model (`original`: the caller's model in training, a
 private copy in inference). It shares that model's parameter, buffer and submodule dicts, so
 `state_dict()` keys, `named_parameters()`, optimizers, `load_state_dict`, hooks registered on
-`result.layer1`, `.train()` / `.eval()` / `requires_grad_()` all act on the model it stands for.
+`result.layer1`, `.train()` / `.eval()` / `requires_grad_()`, and setting one of the model's plain attributes
+on the result (`result.sizes = [4]`) all act on the model it stands for.
 
 It keeps optimized variants of that model, each with the guards (fxopt/guards.py) its capture
 and passes relied on. Each call checks the current variant's guards (microseconds) and runs it;
@@ -226,6 +227,16 @@ class OptimizedModule(torch.nn.Module):
             if original is None:
                 raise
             return getattr(original, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        """A plain attribute the model has (`result.drop_rate = 0.2`, `result.sizes = [4]`) is set on the model, which
+        is what runs and what the guards read; a submodule, parameter or buffer lands in the shared dicts anyway."""
+        original = self.__dict__.get("original")
+        if (original is not None and name not in self.__dict__ and not hasattr(type(self), name)
+                and name in vars(original)):
+            setattr(original, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def __getstate__(self):
         state = self.__dict__.copy()
