@@ -3,7 +3,9 @@
 Export specializes a graph to its example call: the argument structure (positional count,
 keyword names), every non-tensor argument's value (`return_dict=True`), each tensor's dtype,
 device and sizes — except the dimensions it kept symbolic (the batch dimension, within the
-range export allows, e.g. `>= 2`: sizes 0 and 1 are always specialized). `CallSpec` records
+range export allows, e.g. `>= 2`: sizes 0 and 1 are always specialized) -- and the global modes
+the model's code read while it was traced (`torch.is_grad_enabled()`: fxopt.capture.ambient_state),
+which a call must find as they were. `CallSpec` records
 these facts as plain data (it pickles with the result) and checks a call against them in
 microseconds, returning a reason rather than raising, so that the caller can run the original
 module instead of hitting export's `AssertionError: Guard failed`.
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import _torch_private
+from .ambient_state import Read, changed
 
 MAX_ACCEPTED_CALLS = 64  # distinct accepted call keys remembered per graph (batch sizes, keyword orders)
 _SCALARS = (bool, int, float, str, type(None))
@@ -46,20 +49,25 @@ class CallSpec:
     leaves: list  # per flattened argument: a TensorSpec, or the non-tensor value itself
     names: list[str]  # per flattened argument: its name in the call, for messages
     ranges: dict[str, tuple[int, int | None]]  # symbolic size -> (min, max or None)
+    ambient: tuple[Read, ...] = ()  # global modes the model's code read while traced, and their values
     # keys of calls the full check accepted (see module docstring); not pickled
     _accepted: set = dataclasses.field(default_factory=set, init=False, repr=False, compare=False)
 
     @classmethod
-    def from_export(cls, gm: torch.fx.GraphModule, range_constraints: dict, kwargs: dict) -> CallSpec:
+    def from_export(cls, gm: torch.fx.GraphModule, range_constraints: dict, kwargs: dict,
+                    ambient: tuple[Read, ...] = ()) -> CallSpec:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         leaves = [_leaf_spec(n.meta.get("val")) for n in placeholders]
         ranges = {}
         for symbol, value_range in range_constraints.items():
             ranges[str(symbol)] = (int(value_range.lower), _finite(value_range.upper))
-        return cls(_torch_private.call_structure(gm), tuple(kwargs), leaves, [n.name for n in placeholders], ranges)
+        return cls(_torch_private.call_structure(gm), tuple(kwargs), leaves, [n.name for n in placeholders], ranges,
+                   tuple(ambient))
 
     def mismatch(self, args: tuple, kwargs: dict) -> str | None:
         """None if the graph may take this call, else why not (one line)."""
+        if self.ambient and (read := changed(self.ambient)) is not None:
+            return f"{read.describe().rpartition(' == ')[0]} is {read.now()!r}; the model read {read.value!r} when traced"
         key = _call_key(args, kwargs)
         if key is not None and key in self._accepted:
             return None
@@ -114,7 +122,7 @@ class CallSpec:
     def differs_only_in_batch(self, args: tuple, kwargs: dict) -> bool:
         """True if the call is like the example except for the size of dimension 0 of some tensors
         (a call a graph exported with a dynamic batch dimension may take)."""
-        if set(kwargs) != set(self.keywords):
+        if set(kwargs) != set(self.keywords) or changed(self.ambient) is not None:
             return False
         leaves, spec = _torch_private.tree_flatten((tuple(args), {k: kwargs[k] for k in self.keywords}))
         if spec != self.in_spec:
@@ -149,7 +157,7 @@ class CallSpec:
         for symbol in sorted(used):
             low, high = self.ranges.get(symbol, (0, None))
             parts.append(f"{symbol} in {low}..{high}" if high is not None else f"{symbol} >= {low}")
-        return "; ".join(parts)
+        return "; ".join(parts + [read.describe() for read in self.ambient])
 
 
 def _call_key(args: tuple, kwargs: dict) -> tuple | None:

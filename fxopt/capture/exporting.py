@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from .ambient_state import recording_reads
 from .attention_masks import drop_constant_masks
 from .call_spec import CallSpec
 from ..state_preservation import preserved_state
@@ -64,14 +65,14 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
         return f"{type(e).__name__}: {e}"
     try:
         with preserved_state(module, (args, kwargs), parameters=False), _torch_private.refuse_user_checkpoint(), \
-                traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs():
+                traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs(), recording_reads() as reads:
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
     except Exception as e:  # noqa: BLE001 - any refusal keeps this module opaque, with export's reason
         return describe_failure(e, module)
     exported = _torch_private.exported_module(ep)
     gm = _plain_graph_module(exported, type(module).__name__)
     drop_constant_masks(gm)
-    call = CallSpec.from_export(gm, ep.range_constraints, kwargs)
+    call = CallSpec.from_export(gm, ep.range_constraints, kwargs, tuple(reads))
     return Exported(gm, call, {path: m.training for path, m in module.named_modules()})
 
 
