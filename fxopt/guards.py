@@ -39,6 +39,10 @@ Kinds (what `expected` holds):
                  them into the graph; reassigning one (`model.drop.p = 0.2`) is caught, and so is changing
                  a list or dict in place (`model.sizes[0] = 8`): lists, sets and dicts are recorded as
                  copies and compared by value
+  GLOBALS        Python module   -> ((name, value), ...): the module-level globals holding constants
+                 (numbers, strings, flags, tuples of them) the model's own code loads by name (`SCALE` in
+                 `x * SCALE`: fxopt.global_reads), as captured; export bakes them in like settings, and
+                 they are checked the same way. A global list or dict is not guarded (often a cache)
   CALL           graph path      -> an object with `mismatch(args, kwargs) -> str | None` (None: the
                  graph may take the call, else why not) and `describe()`: capture's own call check (CallSpec)
 """
@@ -48,6 +52,7 @@ import copy
 import dataclasses
 import enum
 import operator
+import sys
 import types
 from collections.abc import Iterable, Iterator
 from itertools import repeat
@@ -57,6 +62,7 @@ from typing import Any
 import torch
 
 from . import _torch_private
+from .global_reads import globals_read
 
 TRAIN_MODE = "train_mode"
 REQUIRES_GRAD = "requires_grad"
@@ -66,8 +72,10 @@ SAME_OBJECT = "same_object"
 SAME_STORAGE = "same_storage"
 SAME_VALUE = "same_value"
 SETTINGS = "settings"
+GLOBALS = "globals"
 CALL = "call"
-KINDS = (TRAIN_MODE, REQUIRES_GRAD, HOOKS, MODULE, SAME_OBJECT, SAME_STORAGE, SAME_VALUE, SETTINGS, CALL)
+KINDS = (TRAIN_MODE, REQUIRES_GRAD, HOOKS, MODULE, SAME_OBJECT, SAME_STORAGE, SAME_VALUE, SETTINGS, GLOBALS, CALL)
+_NAMED_VALUES = (SETTINGS, GLOBALS)  # kinds whose expected is ((name, value), ...), read from a __dict__ each
 
 NO_HOOKS = ((), (), (), ())
 GLOBAL_HOOKS = "<global>"  # the HOOKS target for torch's global module hooks
@@ -105,7 +113,7 @@ class Guard:
             return f"{self.target} is the same tensor over the same storage"
         if self.kind == SAME_VALUE:
             return f"{self.target} keeps its value (same tensor, storage and version)"
-        if self.kind == SETTINGS:
+        if self.kind in _NAMED_VALUES:
             shown = ", ".join(f"{'.'.join(filter(None, (self.target, name)))} == {value!r}"
                               for name, value in self.expected[:3])
             return shown + (f" and {len(self.expected) - 3} more settings" if len(self.expected) > 3 else "")
@@ -162,12 +170,13 @@ STATE_REASONS = {
     SAME_OBJECT: "the graph reads this tensor object",
     SAME_STORAGE: "the graph reads this tensor object, specialized to its shape and dtype",
     SETTINGS: "the graph was traced with these values baked in",
+    GLOBALS: "the graph was traced with these global values baked in",
 }
 
 
 def model_state_guards(model: torch.nn.Module, owner: str, *, storage: bool = False) -> list[Guard]:
     """Guards on the whole state of `model` as it is now: every module's mode, class, hooks and settings
-    (SETTINGS), every parameter's `requires_grad`, every parameter's and buffer's identity, and with `storage`
+    (SETTINGS), the plain globals its code reads (GLOBALS), every parameter's `requires_grad`, every parameter's and buffer's identity, and with `storage`
     their storage too (SAME_STORAGE instead of SAME_OBJECT). Not their values: the graph reads the
     model's tensors, so a write into one is what the model computes next too; a pass that bakes a
     value into the graph guards that value itself (SAME_VALUE). Reasons: STATE_REASONS."""
@@ -187,6 +196,11 @@ def model_state_guards(model: torch.nn.Module, owner: str, *, storage: bool = Fa
     for name, p in model.named_parameters(remove_duplicate=False):
         guards += [guard(REQUIRES_GRAD, name, p.requires_grad), guard(same, name, None)]
     guards += [guard(same, name, None) for name, _ in model.named_buffers(remove_duplicate=False)]
+    for module_name, names in sorted(globals_read(model).items()):
+        module_globals = vars(sys.modules[module_name]) if module_name in sys.modules else {}
+        plain = [(name, module_globals[name]) for name in sorted(names) if _is_constant(module_globals[name])]
+        if plain:
+            guards.append(guard(GLOBALS, module_name, tuple(plain)))
     return guards
 
 
@@ -218,6 +232,12 @@ def _is_plain(value) -> bool:
     if isinstance(value, dict):
         return all(map(_is_plain, value.keys())) and all(map(_is_plain, value.values()))
     return isinstance(value, _PLAIN_TYPES)
+
+
+def _is_constant(value) -> bool:
+    """A plain value that cannot change in place (a number, string, flag, None, or a tuple of those): the module
+    globals guarded. A global list or dict is often a cache the code fills, which would re-optimize at every fill."""
+    return _is_plain(value) and not _holds_mutable(value)
 
 
 def _recorded(value):
@@ -341,7 +361,8 @@ class BoundGuards:
         # Every SETTINGS entry as (the __dict__ it is read from, its key there, the value captured); per call, one
         # itemgetter per __dict__ reads all of its entries (a quarter of the calls of one `dict.get` per entry).
         per_dict: dict[int, tuple[dict, list, list]] = {}
-        for d, key, value in (entry for g in by_kind[SETTINGS] for entry in self._setting_entries_of(g)):
+        for d, key, value in (entry for kind in _NAMED_VALUES for g in by_kind[kind]
+                              for entry in self._setting_entries_of(g)):
             _, keys, values = per_dict.setdefault(id(d), (d, [], []))
             keys.append(key)
             values.append(value)
@@ -358,6 +379,10 @@ class BoundGuards:
             return _Unresolvable()
 
     def _setting_entries_of(self, guard: Guard) -> list[tuple[dict, str, Any]]:
+        """(the __dict__ it is read from, its key there, the value captured) per entry of a SETTINGS or GLOBALS guard."""
+        if guard.kind == GLOBALS:
+            module = sys.modules.get(guard.target)
+            return [(vars(module) if module is not None else {}, name, value) for name, value in guard.expected]
         module = self._module(guard.target)
         return [(_settings_dict(module, name), name.rpartition(".")[2], value) for name, value in guard.expected]
 
@@ -459,7 +484,7 @@ class BoundGuards:
                 if (holder.get(key) is not t or (kind != SAME_OBJECT and _data_pointer(t) != pointers[g.target])
                         or (kind == SAME_VALUE and _torch_private.tensor_version(t) != versions[g.target])):
                     return g
-        for g in b[SETTINGS]:
+        for g in b[SETTINGS] + b[GLOBALS]:
             for (name, _), (holder, key, value) in zip(g.expected, self._setting_entries_of(g)):
                 now = holder.get(key)
                 if not (now is value or now == value):  # the guard on that one setting: the warning names it

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 import types
 from operator import attrgetter
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 import transformers
 
-from fxopt.guards import SETTINGS, model_state_guards
+from fxopt.guards import GLOBALS, SETTINGS, model_state_guards
 from test_guards import X, assert_same, conv_bn_net, messages_over_changes, optimize_quietly, step
 
 
@@ -156,3 +157,53 @@ def test_hugging_face_attention_flag_changed_after_optimize():
     torch.testing.assert_close(got, expected)
     assert_same({f"grad:{n}": g for n, g in expected_grads.items() if g is not None},
                 {f"grad:{n}": g for n, g in got_grads.items() if g is not None})
+
+
+SCALE = 2.0  # module globals the forward below reads: export bakes their values in
+OFFSETS = (0.5, -0.5)
+CACHE: dict = {}  # a global dict the forward reads: not guarded (test_only_constant_globals_are_guarded)
+
+
+def _scaled(h):
+    return h * SCALE
+
+
+class ReadsGlobals(nn.Module):
+    """Reads module globals through a module-level helper and through a method of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def _offset(self):
+        return OFFSETS[0] + len(CACHE)
+
+    def forward(self, x):
+        return self.bn(_scaled(self.fc(x))) + self._offset()
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+@pytest.mark.parametrize("name, value", [("SCALE", 3.0), ("OFFSETS", (2.0, 0.0))])
+def test_a_module_global_reassigned_after_optimize_is_honoured(name, value, mode, monkeypatch):
+    """A global the forward reads (through a helper function or a method) reassigned after optimize optimizes again:
+    outputs, gradients and BatchNorm statistics as eager's, with a warning naming the global."""
+    torch.manual_seed(0)
+    model, x = ReadsGlobals().double().train(mode == "training"), torch.randn(6, 4, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, x, mode=mode)
+    training = mode == "training"
+    assert_same(step(reference, x, backward=training), step(result, x, backward=training), tol=1e-12)
+    monkeypatch.setattr(sys.modules[__name__], name, value)
+    with pytest.warns(UserWarning, match=f"{__name__}.{name} =="):
+        got = step(result, x, backward=training)
+    assert_same(step(reference, x, backward=training), got, tol=1e-12)
+
+
+def test_only_constant_globals_are_guarded():
+    """The constants a model's code reads are guarded (not a global dict, nor torch's own globals); Hugging Face's
+    BERT, whose code reads none, gets no such guard."""
+    guarded = {name for g in model_state_guards(ReadsGlobals(), "test") if g.kind == GLOBALS for name, _ in g.expected}
+    assert guarded == {"SCALE", "OFFSETS"}
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64)
+    assert not [g for g in model_state_guards(transformers.BertModel(config), "test") if g.kind == GLOBALS]
