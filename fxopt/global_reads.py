@@ -2,7 +2,7 @@
 
 A forward that reads `SCALE` (a global of its Python module) is exported with the value `SCALE` had
 then; set `SCALE = 3` afterwards and eager computes with 3 while the graph still multiplies by 2.
-`globals_read(model)` finds such names without running anything, from the bytecode: every
+`globals_read(model.modules())` finds such names without running anything, from the bytecode: every
 `LOAD_GLOBAL` in each module's `forward` (and the lambdas, comprehensions and inner functions
 inside it), in functions stored on a module instance, and, followed through, in the methods of the
 module's class whose names they load as attributes (`self.helper(x)`) and the plain Python
@@ -22,18 +22,20 @@ import functools
 import inspect
 import sys
 import types
+from collections.abc import Iterable
 
 import torch
 
 _SKIPPED_PACKAGES = ("torch", "fxopt", "builtins", "typing", "abc")
 
 
-def globals_read(model: torch.nn.Module) -> dict[str, frozenset[str]]:
-    """{module name: global names the model's own code loads there} (see module docstring)."""
+def globals_read(modules: Iterable[torch.nn.Module]) -> dict[str, frozenset[str]]:
+    """{module name: global names the code of these (torch) modules loads there} (see module docstring)."""
     found: dict[str, set[str]] = {}
     seen: set[types.CodeType] = set()
-    pending = [(type(m).forward, type(m)) for m in model.modules()]
-    pending += [(f, None) for m in model.modules() for f in vars(m).values() if isinstance(f, types.FunctionType)]
+    modules = list(modules)
+    pending = [(type(m).forward, type(m)) for m in modules]
+    pending += [(f, None) for m in modules for f in vars(m).values() if isinstance(f, types.FunctionType)]
     while pending:
         function, cls = pending.pop()
         function = inspect.unwrap(function)

@@ -174,13 +174,22 @@ STATE_REASONS = {
 }
 
 
-def model_state_guards(model: torch.nn.Module, owner: str, *, storage: bool = False) -> list[Guard]:
+def model_state_guards(model: torch.nn.Module, owner: str, *, storage: bool = False,
+                       graph_paths: Iterable[str] | None = None) -> list[Guard]:
     """Guards on the whole state of `model` as it is now: every module's mode, class, hooks and settings
     (SETTINGS), the plain globals its code reads (GLOBALS), every parameter's `requires_grad`, every parameter's and buffer's identity, and with `storage`
     their storage too (SAME_STORAGE instead of SAME_OBJECT). Not their values: the graph reads the
     model's tensors, so a write into one is what the model computes next too; a pass that bakes a
-    value into the graph guards that value itself (SAME_VALUE). Reasons: STATE_REASONS."""
+    value into the graph guards that value itself (SAME_VALUE). Reasons: STATE_REASONS.
+
+    Settings and globals are guarded only where a graph baked them: for the modules at or under `graph_paths`
+    (the paths of the exported graphs; None: the whole model is one). A module whose forward runs as written
+    reads them live, as eager does (a forward counting its calls in `self.calls` must not look like a change)."""
     same = SAME_STORAGE if storage else SAME_OBJECT
+    graph_paths = [""] if graph_paths is None else list(graph_paths)
+
+    def baked(path: str) -> bool:
+        return any(p == "" or path == p or path.startswith(p + ".") for p in graph_paths)
 
     def guard(kind, target, expected):
         return Guard(kind, target, expected, owner, STATE_REASONS[kind])
@@ -190,13 +199,14 @@ def model_state_guards(model: torch.nn.Module, owner: str, *, storage: bool = Fa
     for path, module in model.named_modules(remove_duplicate=False):
         guards += [guard(TRAIN_MODE, path, module.training), guard(MODULE, path, type(module).__qualname__),
                    guard(HOOKS, path, _hook_ids(module))]
-        settings = _settings(module, objects_read)
+        settings = _settings(module, objects_read) if baked(path) else ()
         if settings:
             guards.append(guard(SETTINGS, path, settings))
     for name, p in model.named_parameters(remove_duplicate=False):
         guards += [guard(REQUIRES_GRAD, name, p.requires_grad), guard(same, name, None)]
     guards += [guard(same, name, None) for name, _ in model.named_buffers(remove_duplicate=False)]
-    for module_name, names in sorted(globals_read(model).items()):
+    baked_modules = [m for path, m in model.named_modules(remove_duplicate=False) if baked(path)]
+    for module_name, names in sorted(globals_read(baked_modules).items()):
         module_globals = vars(sys.modules[module_name]) if module_name in sys.modules else {}
         plain = [(name, module_globals[name]) for name in sorted(names) if _is_constant(module_globals[name])]
         if plain:

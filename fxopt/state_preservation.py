@@ -4,12 +4,14 @@ Capture runs the model (export runs its Python `forward` on fake tensors, and th
 it once for real to record each child's call). A `forward` may write anything it can reach:
 buffers (`self.count += 1`), parameters (`self.ema.mul_(0.9)` under no_grad), plain tensor
 attributes (`self.t.add_(1)` — export runs such writes on the real tensor), its inputs
-(`x.mul_(2)`), or rebind an attribute (`self.t = self.t + 1`). `preserved_state` snapshots all
-of them, and the RNG, and puts every one back on exit.
+(`x.mul_(2)`), rebind an attribute (`self.t = self.t + 1`, `self.calls += 1`, `self.last = y`),
+or change a list, dict or set attribute in place (`self.history.append(y)`). `preserved_state`
+snapshots all of them, and the RNG, and puts every one back on exit.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -28,14 +30,29 @@ class _Snapshot:
                     if isinstance(value, torch.Tensor) and _has_data(value):
                         self.slots.append((slots, key, value, *_saved(value)))
         self.inputs = [(x, *_saved(x)) for x in tensors_in(inputs) if _has_data(x)]
+        self.attributes = [(vars(m), dict(vars(m))) for m in module.modules()]  # every binding, as it is
+        self.containers = [(value, copy.copy(value)) for _, bindings in self.attributes
+                           for key, value in bindings.items()
+                           if key not in _MODULE_INTERNALS and type(value) in (list, dict, set)]
 
     def restore(self) -> None:
+        for attributes, bindings in self.attributes:
+            for key in [k for k in attributes if k not in bindings]:  # attributes the forward added
+                del attributes[key]
+            attributes.update(bindings)
+        for container, contents in self.containers:
+            if container != contents:
+                container.clear()
+                container.update(contents) if isinstance(container, (dict, set)) else container.extend(contents)
         with torch.no_grad():
             for slots, key, tensor, saved, version in self.slots:
                 slots[key] = tensor  # a forward may have rebound the attribute
                 _put_back(tensor, saved, version)
             for tensor, saved, version in self.inputs:
                 _put_back(tensor, saved, version)
+
+
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own dicts (parameters, hooks...) and `training`
 
 
 def _saved(t: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -23,6 +23,7 @@ from equivalence import assert_same_step, assert_same_training_steps, assert_sta
 from fxopt.capture import capture
 from fxopt.capture.naming import module_path
 from fxopt.capture.specialized import SpecializedCall
+from test_guards import assert_same, step
 
 
 def conv_bn(c_in: int, c_out: int) -> nn.Sequential:
@@ -452,6 +453,44 @@ def test_writes_to_state_happen_once_per_call_and_never_during_optimize(mode):
     state = optimized.original if mode == "inference" else model
     assert float(state.calls) == 3 and float(state.plain_calls) == 3
     torch.testing.assert_close(state.ema, twin.ema)
+
+
+class AssignsAttributes(nn.Module):
+    """Counts its calls in an int and keeps its blocks' features in a list: plain attributes its forward assigns."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.calls, self.features, self.scale = 0, [], 1.0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.a(x)
+        self.features = [h.detach()]
+        return self.b(h) * self.calls * self.scale
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_forward_assigning_plain_attributes_runs_as_written(mode):
+    """A forward assigning plain attributes is not exported (export would drop the writes): it runs as written around
+    its captured children, its attributes advance call by call as eager's, optimize() leaves them alone, and a value
+    the caller sets later is read, without optimizing again."""
+    torch.manual_seed(0)
+    model = AssignsAttributes().double().train(mode == "training")
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    optimized = capture_only(model, (x,), mode=mode)
+    assert model.calls == 0 and model.features == []
+    state = optimized.original if mode == "inference" else model
+    opaque = {o.path: o.reason for o in optimized.fxopt_report.opaque}
+    assert "calls, features" in opaque[""] and set(optimized.fxopt_report.graphs) >= {"a", "b"}
+    for call in range(3):
+        if call == 2:
+            state.scale = twin.scale = 0.5
+        assert_same(step(twin, x, backward=mode == "training"), step(optimized, x, backward=mode == "training"), tol=1e-12)
+        assert state.calls == twin.calls == call + 1 and torch.equal(state.features[0], twin.features[0])
+    assert not optimized.fxopt_report.guard_events
 
 
 class WritesItsInput(nn.Module):

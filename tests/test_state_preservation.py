@@ -41,3 +41,29 @@ def test_nan_values_count_as_unchanged():
     with preserved_state(module, ()):
         pass
     assert module.b is buffer and torch.isnan(module.b[0]) and module.b[1] == 1.0
+
+
+class KeepsHistory(nn.Module):
+    """Counts its calls in an int, keeps its last output and appends to a list and a dict: plain attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.last, self.history, self.seen = 0, None, [], {}
+
+    def forward(self, x):
+        self.calls += 1
+        self.last = x * 2
+        self.history.append(self.calls)
+        self.seen[self.calls] = True
+        self.added_on_the_fly = True
+        return self.last
+
+
+def test_plain_attributes_and_their_contents_are_restored():
+    """A forward rebinding plain attributes, adding one and changing a list and a dict in place leaves no trace."""
+    model = KeepsHistory()
+    history, seen = model.history, model.seen
+    with preserved_state(model, ()):
+        model(torch.ones(2))
+    assert model.calls == 0 and model.last is None and not hasattr(model, "added_on_the_fly")
+    assert model.history is history and history == [] and model.seen is seen and seen == {}

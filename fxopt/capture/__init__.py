@@ -12,11 +12,11 @@ and the opaque modules. Every exported graph stands where its module was inside 
 `SpecializedCall`, which runs the original module for a call or a train/eval state the graph
 was not exported for; the whole-model graph is guarded by the result object (`fxopt.guards`,
 from `CapturedGraph.call` and `.training_flags`). The caller's model is never modified: module containers on the way to a
-replaced child are shallow copies; leaf modules and parameters are shared.
+replaced child are shells (`shell.py`: shallow copies whose plain attributes follow the caller's module); leaf
+modules and parameters are shared.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -27,6 +27,7 @@ from ..errors import FxoptError
 from .call_spec import CallSpec
 from .exporting import export_module
 from .saving import keep_graph_when_pickled
+from .shell import shell_of
 from .specialized import Specialization, SpecializedCall, describe_assumptions
 from .stand_in import stand_in_for
 from .state import record_submodule_calls
@@ -122,7 +123,7 @@ class _Capturer:
         return SpecializedCall(gm, module, exported.call, flags)
 
     def capture_children(self, module: torch.nn.Module, path: str) -> torch.nn.Module:
-        """A shallow copy of `module` whose called children are captured (or `module` if none was)."""
+        """A shell of `module` whose called children are captured (shell.py), or `module` if none was."""
         replaced = {}
         for name, child in module.named_children():
             child_path = _join(path, name)
@@ -134,11 +135,7 @@ class _Capturer:
                 new_child = self.capture_children(child, child_path)
             if new_child is not child:
                 replaced[name] = new_child
-        if not replaced:
-            return module
-        shell = copy.copy(module)
-        shell._modules = {**module._modules, **replaced}
-        return shell
+        return shell_of(module, replaced) if replaced else module
 
 
 def _has_submodule(gm: torch.nn.Module, path: str) -> bool:

@@ -28,6 +28,7 @@ import torch.fx as fx
 from .. import _torch_private
 from .ambient_state import recording_reads
 from .attention_masks import drop_constant_masks
+from .attribute_writes import recording_writes
 from .call_spec import CallSpec
 from ..state_preservation import preserved_state
 from .cumulative_batchnorm import traceable_cumulative_batchnorm
@@ -65,10 +66,15 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
         return f"{type(e).__name__}: {e}"
     try:
         with preserved_state(module, (args, kwargs), parameters=False), _torch_private.refuse_user_checkpoint(), \
-                traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs(), recording_reads() as reads:
+                traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs(), recording_reads() as reads, \
+                recording_writes(module) as writes:
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
     except Exception as e:  # noqa: BLE001 - any refusal keeps this module opaque, with export's reason
         return describe_failure(e, module)
+    if writes:
+        kind = "a plain attribute, not a buffer" if len(writes) == 1 else "plain attributes, not buffers"
+        return (f"its forward assigns {', '.join(writes)} ({kind}): eager sets it on every call, a graph would not "
+                f"({user_code_location(None, module)})")
     exported = _torch_private.exported_module(ep)
     gm = _plain_graph_module(exported, type(module).__name__)
     drop_constant_masks(gm)
@@ -91,9 +97,9 @@ def describe_failure(e: BaseException, module: torch.nn.Module) -> str:
     return f"{reason} ({user_code_location(e, module)})"
 
 
-def user_code_location(e: BaseException, module: torch.nn.Module) -> str:
+def user_code_location(e: BaseException | None, module: torch.nn.Module) -> str:
     """`at file.py:123: <code>` of the innermost frame of the user's code in `e`'s traceback, else where `module.forward` is."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
+    frames = [f for f in traceback.extract_tb(e.__traceback__ if e is not None else None)
               if not f.filename.startswith((_TORCH_DIR, _FXOPT_DIR)) and "<" not in f.filename]
     if frames:
         frame = frames[-1]

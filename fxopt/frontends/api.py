@@ -110,7 +110,8 @@ def build_variant(source: torch.nn.Module, args: tuple, kwargs: dict, settings: 
             read_attributes_directly(module)
     guards = GuardSet(ctx.guards)
     guards.extend(_capture_guards(captured, settings.get(DYNAMIC_BATCH_SETTING, False)))
-    guards.extend(model_state_guards(source, "fxopt.optimize", storage=mode == INFERENCE))
+    guards.extend(model_state_guards(source, "fxopt.optimize", storage=mode == INFERENCE,
+                                     graph_paths=[g.path for g in captured.graphs]))
     untrue = guards.bind(source).untrue_now()
     if untrue:  # not facts about this model (a target it does not have): checking them would always fail
         guards = GuardSet(g for g in guards if g not in untrue)

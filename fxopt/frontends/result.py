@@ -165,7 +165,7 @@ class OptimizedModule(torch.nn.Module):
             reason = f"{type(e).__name__}: {e}".splitlines()[0]
         if not remember_failure:
             return None, reason
-        guards = GuardSet(model_state_guards(self.original, "fxopt"))
+        guards = GuardSet(model_state_guards(self.original, "fxopt", graph_paths=()))  # runs as written: nothing baked
         self._variants.insert(0, Variant(self.original, guards, bound=guards.bind(self.original)))
         return None, reason
 
