@@ -22,7 +22,8 @@ Kinds (what `expected` holds):
                  torch's API is always seen, one written straight into a module's private dict is not
   MODULE         module path     -> class name: the same module object, of the same class, sits at the path
                  (catches a replaced layer, `torch.nn.utils.parametrize`, old-style weight_norm's class change)
-  SAME_OBJECT    param/buffer    -> None: the same tensor object is registered under that name
+  SAME_OBJECT    param/buffer    -> None: the same tensor object is registered under that name (or held as a
+                 plain attribute: `self.scale = torch.ones(4)`)
                  (catches `torch.nn.utils.prune`, `module.weight = nn.Parameter(...)`, a replaced
                  buffer; the graph reads the model's own tensor objects, so writes into them need
                  no guard)
@@ -35,7 +36,8 @@ Kinds (what `expected` holds):
   SETTINGS       module path     -> ((name, value), ...): the module's plain attributes (numbers, strings,
                  flags, dtypes, and tuples, lists, sets and dicts of them: `Dropout.p`,
                  `LeakyReLU.negative_slope`, `BatchNorm.eps`) and those of the plain objects it holds (an HF
-                 config: `config.output_attentions`), as captured. torch.export reads them once and bakes
+                 config: `config.output_attentions`) and that these hold (`cfg.model.dropout`, up to
+                 SETTINGS_DEPTH objects deep), as captured. torch.export reads them once and bakes
                  them into the graph; reassigning one (`model.drop.p = 0.2`) is caught, and so is changing
                  a list or dict in place (`model.sizes[0] = 8`): lists, sets and dicts are recorded as
                  copies and compared by value
@@ -177,8 +179,9 @@ STATE_REASONS = {
 def model_state_guards(model: torch.nn.Module, owner: str, *, storage: bool = False,
                        graph_paths: Iterable[str] | None = None) -> list[Guard]:
     """Guards on the whole state of `model` as it is now: every module's mode, class, hooks and settings
-    (SETTINGS), the plain globals its code reads (GLOBALS), every parameter's `requires_grad`, every parameter's and buffer's identity, and with `storage`
-    their storage too (SAME_STORAGE instead of SAME_OBJECT). Not their values: the graph reads the
+    (SETTINGS), the plain globals its code reads (GLOBALS), every parameter's `requires_grad`, every
+    parameter's, buffer's and plain tensor attribute's identity, and with `storage` their storage too
+    (SAME_STORAGE instead of SAME_OBJECT). Not their values: the graph reads the
     model's tensors, so a write into one is what the model computes next too; a pass that bakes a
     value into the graph guards that value itself (SAME_VALUE). Reasons: STATE_REASONS.
 
@@ -205,6 +208,7 @@ def model_state_guards(model: torch.nn.Module, owner: str, *, storage: bool = Fa
     for name, p in model.named_parameters(remove_duplicate=False):
         guards += [guard(REQUIRES_GRAD, name, p.requires_grad), guard(same, name, None)]
     guards += [guard(same, name, None) for name, _ in model.named_buffers(remove_duplicate=False)]
+    guards += [guard(same, name, None) for name in _plain_tensor_attributes(model) if baked(name.rpartition(".")[0])]
     baked_modules = [m for path, m in model.named_modules(remove_duplicate=False) if baked(path)]
     for module_name, names in sorted(globals_read(baked_modules).items()):
         module_globals = vars(sys.modules[module_name]) if module_name in sys.modules else {}
@@ -268,33 +272,55 @@ def _holds_settings(value) -> bool:
             and not isinstance(value, (torch.nn.Module, torch.Tensor, types.ModuleType)))
 
 
+SETTINGS_DEPTH = 3  # plain-data objects read this deep: a module's `self.cfg.model.dropout`
+
+
 def _settings(module: torch.nn.Module, objects_read: set[int]) -> tuple[tuple[str, Any], ...]:
     """(name, value) of the plain attributes in `module`'s own __dict__ and, as `holder.name`, in the __dict__
-    of each plain-data object it holds that `objects_read` does not name yet (then added to it)."""
+    of each plain-data object it holds (`config.scale`), and of those these hold in turn (`cfg.model.dropout`),
+    SETTINGS_DEPTH objects deep, each object once: the objects `objects_read` does not name yet (then added)."""
+    attributes = {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS}
+    return tuple(_plain_attributes(attributes, "", objects_read, SETTINGS_DEPTH))
+
+
+def _plain_attributes(attributes: dict, prefix: str, objects_read: set[int], depth: int) -> list[tuple[str, Any]]:
     settings = []
-    for name, value in vars(module).items():
-        if name in _MODULE_INTERNALS:
-            continue
+    for name, value in attributes.items():
         if _is_plain(value):
-            settings.append((name, _recorded(value)))
-        elif _holds_settings(value) and id(value) not in objects_read:
+            settings.append((prefix + name, _recorded(value)))
+        elif depth and _holds_settings(value) and id(value) not in objects_read:
             objects_read.add(id(value))
-            settings += [(f"{name}.{key}", _recorded(v)) for key, v in vars(value).items() if _is_plain(v)]
-    return tuple(settings)
+            settings += _plain_attributes(vars(value), f"{prefix}{name}.", objects_read, depth - 1)
+    return settings
 
 
 def _settings_dict(module, name: str) -> dict:
-    """The __dict__ a SETTINGS entry `name` ("p", or "config.use_cache") is read from."""
+    """The __dict__ a SETTINGS entry `name` ("p", "config.use_cache" or "cfg.model.dropout") is read from."""
     holder, _, _ = name.rpartition(".")
-    owner = getattr(module, holder, None) if holder else module
+    try:
+        owner = attrgetter(holder)(module) if holder else module
+    except AttributeError:  # a holder no longer there: the setting is not as recorded
+        return {}
     return vars(owner) if hasattr(owner, "__dict__") else {}
 
 
+def _plain_tensor_attributes(model: torch.nn.Module) -> list[str]:
+    """The qualified names of the tensors modules hold as plain attributes (`self.scale = torch.ones(4)`, not a
+    parameter or buffer): export reads the object, so replacing it (`model.scale = torch.zeros(4)`) must be seen."""
+    return [f"{path}.{name}" if path else name for path, m in model.named_modules(remove_duplicate=False)
+            for name, value in vars(m).items()
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)]
+
+
 def _resolve_tensor(model: torch.nn.Module, name: str) -> tuple[dict, str]:
-    """(the `_parameters` or `_buffers` dict holding `name`, the key in it)."""
+    """(the `_parameters` or `_buffers` dict holding `name`, or the module's own __dict__ for a plain tensor
+    attribute, the key in it)."""
     owner_path, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_path)
-    return (owner._parameters if attr in owner._parameters else owner._buffers), attr
+    for holder in (owner._parameters, owner._buffers):
+        if attr in holder:
+            return holder, attr
+    return (vars(owner) if isinstance(vars(owner).get(attr), torch.Tensor) else owner._buffers), attr
 
 
 def _module_slot(model: torch.nn.Module, path: str) -> tuple[dict, str]:

@@ -207,3 +207,39 @@ def test_only_constant_globals_are_guarded():
     config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=64)
     assert not [g for g in model_state_guards(transformers.BertModel(config), "test") if g.kind == GLOBALS]
+
+
+class NestedConfigAndPlainTensor(nn.Module):
+    """Reads a field two objects deep (`cfg.model.shift`) and a tensor held as a plain attribute (not a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.cfg = types.SimpleNamespace(model=types.SimpleNamespace(shift=0.5))
+        self.scale = torch.full((4,), 2.0)
+
+    def forward(self, x):
+        return self.fc(x) * self.scale + self.cfg.model.shift
+
+
+NESTED_CHANGES = {
+    "cfg.model.shift": lambda m: setattr(m.cfg.model, "shift", -1.5),
+    "scale": lambda m: setattr(m, "scale", torch.full((4,), -3.0)),
+}
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+@pytest.mark.parametrize("change", sorted(NESTED_CHANGES))
+def test_a_nested_setting_or_a_replaced_plain_tensor_is_honoured(change, mode):
+    """A config field two objects deep changed, or a plain tensor attribute replaced, after optimize: outputs and
+    gradients as eager's after the same change, with a warning naming it."""
+    torch.manual_seed(0)
+    model, x = NestedConfigAndPlainTensor().train(mode == "training"), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, x, mode=mode)
+    backward = mode == "training"
+    for target in (result, reference):
+        NESTED_CHANGES[change](target)
+    with pytest.warns(UserWarning, match=re.escape(change)):
+        got = step(result, x, backward=backward)
+    assert_same(step(reference, x, backward=backward), got, tol=0)
