@@ -16,6 +16,7 @@ import copy
 import torch
 
 from . import _torch_private
+from .host_rng import HostRandomState
 from .tree import tensors_in
 
 
@@ -86,15 +87,17 @@ def _same_values(tensor: torch.Tensor, saved: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def preserved_state(module: torch.nn.Module, inputs=(), parameters: bool = True):
-    """Snapshot what a forward of `module` on `inputs` may change, and the CPU/CUDA RNG; restore on exit.
+    """Snapshot what a forward of `module` on `inputs` may change, the CPU/CUDA RNG and Python's and NumPy's
+    global generators (fxopt.host_rng); restore on exit.
 
     `parameters=False` leaves parameters out (copying them is most of the cost): for runs that
     cannot write them, such as torch.export's, which turns writes to parameters into graph ops.
     """
-    snapshot = _Snapshot(module, inputs, parameters)
+    snapshot, host_rng = _Snapshot(module, inputs, parameters), HostRandomState()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:
             snapshot.restore()
+            host_rng.restore()

@@ -10,8 +10,10 @@ Each test of a semantic case fails on the symbolic_trace capture this replaced.
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 
+import numpy
 import pytest
 import torch
 import torch.fx as fx
@@ -491,6 +493,43 @@ def test_a_forward_assigning_plain_attributes_runs_as_written(mode):
         assert_same(step(twin, x, backward=mode == "training"), step(optimized, x, backward=mode == "training"), tol=1e-12)
         assert state.calls == twin.calls == call + 1 and torch.equal(state.features[0], twin.features[0])
     assert not optimized.fxopt_report.guard_events
+
+
+class DropsBlocksWithPythonsGenerator(nn.Module):
+    """Stochastic depth drawn from Python's and NumPy's global generators, not torch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            draw = random.random() if i % 2 else float(numpy.random.rand())
+            if not self.training or draw > 0.5:
+                x = x + block(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_forward_drawing_from_python_or_numpy_randomness_runs_as_written(mode):
+    """A forward drawing from `random` or `numpy.random` is not exported (the graph would repeat one draw): it runs as
+    written around its captured blocks, takes eager's branch on every call, and optimize() leaves both streams alone."""
+    torch.manual_seed(0)
+    model = DropsBlocksWithPythonsGenerator().double().train(mode == "training")
+    twin, x = copy.deepcopy(model), torch.randn(2, 8, dtype=torch.float64)
+    random.seed(0)
+    numpy.random.seed(0)
+    python_state, numpy_state = random.getstate(), numpy.random.get_state()[1].copy()
+    optimized = capture_only(model, (x,), mode=mode)
+    assert random.getstate() == python_state and (numpy.random.get_state()[1] == numpy_state).all()
+    assert "draws from random and numpy.random" in {o.path: o.reason for o in optimized.fxopt_report.opaque}[""]
+    for seed in range(4):
+        got, expected = [], []
+        for model_, out in ((optimized, got), (twin, expected)):
+            random.seed(seed)
+            numpy.random.seed(seed)
+            out.append(step(model_, x, backward=mode == "training"))
+        assert_same(expected[0], got[0], tol=1e-12)
 
 
 class WritesItsInput(nn.Module):

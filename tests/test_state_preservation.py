@@ -1,6 +1,9 @@
 """fxopt.state_preservation: a run for information leaves no trace on the model or its inputs."""
 from __future__ import annotations
 
+import random
+
+import numpy
 import torch
 import torch.nn as nn
 
@@ -67,3 +70,17 @@ def test_plain_attributes_and_their_contents_are_restored():
         model(torch.ones(2))
     assert model.calls == 0 and model.last is None and not hasattr(model, "added_on_the_fly")
     assert model.history is history and history == [] and model.seen is seen and seen == {}
+
+
+def test_python_and_numpy_generators_are_restored():
+    """A forward drawing from Python's and NumPy's global generators leaves both streams where they were."""
+    random.seed(1)
+    numpy.random.seed(1)
+    expected = (random.random(), float(numpy.random.rand()))
+    random.seed(1)
+    numpy.random.seed(1)
+    model = nn.Identity()
+    model.forward = lambda x: x * random.random() * float(numpy.random.rand())
+    with preserved_state(model, ()):
+        model(torch.ones(1))
+    assert (random.random(), float(numpy.random.rand())) == expected

@@ -30,6 +30,7 @@ from .ambient_state import recording_reads
 from .attention_masks import drop_constant_masks
 from .attribute_writes import recording_writes
 from .call_spec import CallSpec
+from ..host_rng import HostRandomState
 from ..state_preservation import preserved_state
 from .cumulative_batchnorm import traceable_cumulative_batchnorm
 
@@ -68,9 +69,14 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
         with preserved_state(module, (args, kwargs), parameters=False), _torch_private.refuse_user_checkpoint(), \
                 traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs(), recording_reads() as reads, \
                 recording_writes(module) as writes:
+            host_rng = HostRandomState()
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
+            drawn = host_rng.drawn()  # before preserved_state puts the generators back
     except Exception as e:  # noqa: BLE001 - any refusal keeps this module opaque, with export's reason
         return describe_failure(e, module)
+    if drawn:
+        return (f"its forward draws from {' and '.join(drawn)} (not torch's generator): a graph would repeat the "
+                f"one draw made while tracing ({user_code_location(None, module)})")
     if writes:
         kind = "a plain attribute, not a buffer" if len(writes) == 1 else "plain attributes, not buffers"
         return (f"its forward assigns {', '.join(writes)} ({kind}): eager sets it on every call, a graph would not "
