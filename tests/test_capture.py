@@ -532,6 +532,30 @@ def test_a_forward_drawing_from_python_or_numpy_randomness_runs_as_written(mode)
         assert_same(expected[0], got[0], tol=1e-12)
 
 
+class ScalesByItsMaximum(nn.Module):
+    """Multiplies by a Python number read from a tensor (`.item()`): export keeps it symbolic, read per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * x.abs().max().item()
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_a_number_read_with_item_is_read_on_every_call(mode):
+    """`.item()` in forward exports (its range is unbounded, unlike an input's size) and each call reads its own value:
+    outputs and gradients as eager's on inputs of other magnitudes."""
+    torch.manual_seed(0)
+    model = ScalesByItsMaximum().double().train(mode == "training")
+    optimized = capture_only(model, (torch.randn(3, 4, dtype=torch.float64),), mode=mode)
+    assert not optimized.fxopt_report.opaque
+    for scale in (1.0, 5.0, 0.1):
+        x = torch.randn(3, 4, dtype=torch.float64) * scale
+        assert_same_step(model, optimized, (x,), training=mode == "training", rtol=1e-12, atol=1e-12)
+
+
 class WritesItsInput(nn.Module):
     def __init__(self):
         super().__init__()

@@ -60,7 +60,8 @@ class CallSpec:
         leaves = [_leaf_spec(n.meta.get("val")) for n in placeholders]
         ranges = {}
         for symbol, value_range in range_constraints.items():
-            ranges[str(symbol)] = (int(value_range.lower), _finite(value_range.upper))
+            if value_range.lower.is_Integer:  # not a value read from a tensor (`.item()`: -oo..oo), no input's size
+                ranges[str(symbol)] = (int(value_range.lower), _finite(value_range.upper))
         return cls(_torch_private.call_structure(gm), tuple(kwargs), leaves, [n.name for n in placeholders], ranges,
                    tuple(ambient))
 
