@@ -36,9 +36,13 @@ class Read(NamedTuple):
         """What the function returns if called again now, with the same arguments."""
         return getattr(torch, self.function)(*self.args, **dict(self.kwargs))
 
-    def describe(self) -> str:
+    def expression(self) -> str:
+        """The call as the model wrote it: `torch.is_autocast_enabled('cpu')`."""
         arguments = [*map(repr, self.args), *(f"{k}={v!r}" for k, v in self.kwargs)]
-        return f"torch.{self.function}({', '.join(arguments)}) == {self.value!r}"
+        return f"torch.{self.function}({', '.join(arguments)})"
+
+    def describe(self) -> str:
+        return f"{self.expression()} == {self.value!r}"
 
 
 def changed(reads: tuple[Read, ...]) -> Read | None:

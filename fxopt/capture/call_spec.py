@@ -68,7 +68,7 @@ class CallSpec:
     def mismatch(self, args: tuple, kwargs: dict) -> str | None:
         """None if the graph may take this call, else why not (one line)."""
         if self.ambient and (read := changed(self.ambient)) is not None:
-            return f"{read.describe().rpartition(' == ')[0]} is {read.now()!r}; the model read {read.value!r} when traced"
+            return f"{read.expression()} is {read.now()!r}; the model read {read.value!r} when traced"
         key = _call_key(args, kwargs)
         if key is not None and key in self._accepted:
             return None
