@@ -14,6 +14,7 @@ import contextlib
 import copy
 
 import torch
+import torch.fx as fx
 
 from . import _torch_private
 from .host_rng import HostRandomState
@@ -31,7 +32,9 @@ class _Snapshot:
                     if isinstance(value, torch.Tensor) and _has_data(value):
                         self.slots.append((slots, key, value, *_saved(value)))
         self.inputs = [(x, *_saved(x)) for x in tensors_in(inputs) if _has_data(x)]
-        self.attributes = [(vars(m), dict(vars(m))) for m in module.modules()]  # every binding, as it is
+        # Every binding of the user's modules, as it is (fxopt's own GraphModules run no Python that assigns, and the
+        # passes that preserve state while they rewrite one may set what must stay: `gm.meta`, new submodules).
+        self.attributes = [(vars(m), dict(vars(m))) for m in module.modules() if not isinstance(m, fx.GraphModule)]
         self.containers = [(value, copy.copy(value)) for _, bindings in self.attributes
                            for key, value in bindings.items()
                            if key not in _MODULE_INTERNALS and type(value) in (list, dict, set)]
