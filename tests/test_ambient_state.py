@@ -131,3 +131,28 @@ def test_hugging_face_models_read_no_mode():
     with torch.no_grad():
         torch.testing.assert_close(got, model(tokens).last_hidden_state)
     assert not result.fxopt_report.guard_events
+
+
+class CountsAndBranches(nn.Module):
+    """An opaque parent (it counts its calls) around a child that branches on grad mode: the child's own graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.child, self.calls = BranchesOnGradMode(), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.child(x)
+
+
+def test_a_child_graph_under_an_opaque_parent_checks_the_modes_it_read():
+    """A captured child that read the grad mode runs as written under no_grad, and its graph again with gradients."""
+    torch.manual_seed(0)
+    model = CountsAndBranches().double().train()
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, X, mode="training")
+    assert [o.path for o in result.fxopt_report.opaque] == [""] and "child" in result.fxopt_report.graphs
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_same(step(reference, X, backward=False), step(result, X, backward=False), tol=0)
+    assert_same(step(reference, X), step(result, X), tol=1e-12)
