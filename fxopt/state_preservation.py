@@ -44,10 +44,9 @@ class _Snapshot:
             for key in [k for k in attributes if k not in bindings]:  # attributes the forward added
                 del attributes[key]
             attributes.update(bindings)
-        for container, contents in self.containers:
-            if container != contents:
-                container.clear()
-                container.update(contents) if isinstance(container, (dict, set)) else container.extend(contents)
+        for container, contents in self.containers:  # refilled, not compared: `==` on tensors inside would not be a bool
+            container.clear()
+            container.update(contents) if isinstance(container, (dict, set)) else container.extend(contents)
         with torch.no_grad():
             for slots, key, tensor, saved, version in self.slots:
                 slots[key] = tensor  # a forward may have rebound the attribute

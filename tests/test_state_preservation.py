@@ -84,3 +84,21 @@ def test_python_and_numpy_generators_are_restored():
     with preserved_state(model, ()):
         model(torch.ones(1))
     assert (random.random(), float(numpy.random.rand())) == expected
+
+
+def test_lists_and_dicts_holding_tensors_are_restored():
+    """A forward replacing the tensor inside a list or dict attribute: the original objects come back (no tensor is
+    compared with `==`, whose result is no bool)."""
+    model = nn.Identity()
+    kept, cached = torch.zeros(3), torch.ones(3)
+    model.kept, model.cache = [kept], {"last": cached}
+
+    def forward(x):
+        model.kept[0] = x * 2
+        model.cache["last"] = x * 3
+        return x
+
+    model.forward = forward
+    with preserved_state(model, ()):
+        model(torch.ones(3))
+    assert model.kept[0] is kept and model.cache["last"] is cached
