@@ -40,7 +40,8 @@ Kinds (what `expected` holds):
                  SETTINGS_DEPTH objects deep), as captured. torch.export reads them once and bakes
                  them into the graph; reassigning one (`model.drop.p = 0.2`) is caught, and so is changing
                  a list or dict in place (`model.sizes[0] = 8`): lists, sets and dicts are recorded as
-                 copies and compared by value
+                 copies and compared by value; a list, tuple or dict holding tensors is recorded as its
+                 items, the tensors compared by identity (`SameItems`: `model.anchors[0] = t` is seen)
   GLOBALS        Python module   -> ((name, value), ...): the module-level globals holding constants
                  (numbers, strings, flags, tuples of them) the model's own code loads by name (`SCALE` in
                  `x * SCALE`: fxopt.global_reads), as captured; export bakes them in like settings, and
@@ -266,6 +267,45 @@ def _holds_mutable(value) -> bool:
     return isinstance(value, (tuple, frozenset)) and any(map(_holds_mutable, value))
 
 
+def _holds_tensors(value) -> bool:
+    """A list, tuple or dict of tensors and plain values, with at least one tensor (`self.anchors = [t0, t1]`)."""
+    items = list(value.values()) if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else None
+    return (items is not None and any(isinstance(v, torch.Tensor) for v in items)
+            and all(isinstance(v, torch.Tensor) or _is_plain(v) for v in items))
+
+
+class SameItems:
+    """What a SETTINGS guard keeps of a list, tuple or dict holding tensors: its keys and items as they are now,
+    compared with a later value tensor by tensor by identity (export reads those objects: a write into one is read
+    live, a replaced one is not), the rest by `==`. Compared from either side (`[t] == SameItems([t])`)."""
+
+    def __init__(self, value):
+        self.kind = type(value)
+        self.keys, self.items = _keys_and_items(value)
+
+    def __eq__(self, other) -> bool:
+        if type(other) is not self.kind:
+            return False
+        keys, items = _keys_and_items(other)
+        return keys == self.keys and len(items) == len(self.items) and all(map(_same_item, items, self.items))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"{self.kind.__name__} of {len(self.items)} (its tensors the same objects)"
+
+
+def _keys_and_items(value) -> tuple[list, list]:
+    return (list(value.keys()), list(value.values())) if isinstance(value, dict) else ([], list(value))
+
+
+def _same_item(now, then) -> bool:
+    """Tensors by identity (never `==`, whose result is a tensor), anything else by `==`."""
+    if isinstance(now, torch.Tensor) or isinstance(then, torch.Tensor):
+        return now is then
+    return now == then
+
+
 def _holds_settings(value) -> bool:
     """An object a module holds for its plain attributes (an HF config), not a module, tensor or callable."""
     return (hasattr(value, "__dict__") and not callable(value)
@@ -288,6 +328,8 @@ def _plain_attributes(attributes: dict, prefix: str, objects_read: set[int], dep
     for name, value in attributes.items():
         if _is_plain(value):
             settings.append((prefix + name, _recorded(value)))
+        elif _holds_tensors(value):
+            settings.append((prefix + name, SameItems(value)))
         elif depth and _holds_settings(value) and id(value) not in objects_read:
             objects_read.add(id(value))
             settings += _plain_attributes(vars(value), f"{prefix}{name}.", objects_read, depth - 1)

@@ -68,16 +68,18 @@ def test_inference_result_follows_a_changed_setting(change):
 
 
 def test_only_plain_values_are_guarded():
-    """Numbers, strings and containers of them are recorded (lists as copies); a tensor attribute, a function or a
-    list holding a tensor is not, and a config shared by several modules is recorded once."""
+    """Numbers, strings and containers of them are recorded (lists as copies), and a list holding tensors (by the
+    tensors' identity); a tensor attribute (a guard of its own) or a function is not, and a config shared by several
+    modules is recorded once."""
     model = nn.Sequential(ScaledLeaky(), ScaledLeaky())
     model[1].config = model[0].config
     model[0].cache = torch.zeros(2)
     model[0].hook = print
     model[0].tensors = [torch.zeros(1)]
     settings = {g.target: dict(g.expected) for g in model_state_guards(model, "test") if g.kind == SETTINGS}
-    assert settings["0"] == {"config.scale": 2.0, "config.name": "scaled", "config.sizes": [4]}
-    assert settings["0"]["config.sizes"] is not model[0].config.sizes
+    assert settings["0"].keys() == {"config.scale", "config.name", "config.sizes", "tensors"}
+    assert settings["0"]["config.sizes"] == [4] and settings["0"]["config.sizes"] is not model[0].config.sizes
+    assert model[0].tensors == settings["0"]["tensors"] and [torch.zeros(1)] != settings["0"]["tensors"]
     assert "1" not in settings  # nothing of its own but the config, already recorded at "0"
     assert settings["0.act"] == {"negative_slope": 0.1, "inplace": False}
 
@@ -210,29 +212,34 @@ def test_only_constant_globals_are_guarded():
 
 
 class NestedConfigAndPlainTensor(nn.Module):
-    """Reads a field two objects deep (`cfg.model.shift`) and a tensor held as a plain attribute (not a buffer)."""
+    """Reads a field two objects deep (`cfg.model.shift`), a tensor held as a plain attribute (not a buffer) and
+    tensors held in a list and a dict."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
         self.cfg = types.SimpleNamespace(model=types.SimpleNamespace(shift=0.5))
         self.scale = torch.full((4,), 2.0)
+        self.offsets = [torch.zeros(4), torch.ones(4)]  # tensors in a list and a dict, not buffers
+        self.lookup = {"gain": torch.full((4,), 1.5), "name": "gain"}
 
     def forward(self, x):
-        return self.fc(x) * self.scale + self.cfg.model.shift
+        return (self.fc(x) * self.scale + self.cfg.model.shift + self.offsets[1]) * self.lookup[self.lookup["name"]]
 
 
 NESTED_CHANGES = {
     "cfg.model.shift": lambda m: setattr(m.cfg.model, "shift", -1.5),
     "scale": lambda m: setattr(m, "scale", torch.full((4,), -3.0)),
+    "offsets": lambda m: m.offsets.__setitem__(1, torch.full((4,), 0.25)),
+    "lookup": lambda m: m.lookup.update(gain=torch.full((4,), 4.0)),
 }
 
 
 @pytest.mark.parametrize("mode", ["inference", "training"])
 @pytest.mark.parametrize("change", sorted(NESTED_CHANGES))
 def test_a_nested_setting_or_a_replaced_plain_tensor_is_honoured(change, mode):
-    """A config field two objects deep changed, or a plain tensor attribute replaced, after optimize: outputs and
-    gradients as eager's after the same change, with a warning naming it."""
+    """A config field two objects deep changed, or a plain tensor attribute or a tensor in a list or dict replaced, after
+    optimize: outputs and gradients as eager's after the same change, with a warning naming it."""
     torch.manual_seed(0)
     model, x = NestedConfigAndPlainTensor().train(mode == "training"), torch.randn(3, 4)
     reference = copy.deepcopy(model)
@@ -243,3 +250,16 @@ def test_a_nested_setting_or_a_replaced_plain_tensor_is_honoured(change, mode):
     with pytest.warns(UserWarning, match=re.escape(change)):
         got = step(result, x, backward=backward)
     assert_same(step(reference, x, backward=backward), got, tol=0)
+
+
+def test_a_write_into_a_tensor_held_in_a_list_is_read_live():
+    """Writing into a tensor a list attribute holds (not replacing it) is what the graph reads next: no new optimization."""
+    torch.manual_seed(0)
+    model, x = NestedConfigAndPlainTensor().train(), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, x, mode="training")
+    with torch.no_grad():
+        for target in (model, reference):
+            target.offsets[1].mul_(-2)
+    assert_same(step(reference, x), step(result, x), tol=0)
+    assert not result.fxopt_report.guard_events
