@@ -26,7 +26,9 @@ from collections.abc import Iterable
 
 import torch
 
-_SKIPPED_PACKAGES = ("torch", "fxopt", "builtins", "typing", "abc")
+from .user_code import is_users_module
+
+_STANDARD_PACKAGES_SKIPPED = ("builtins", "typing", "abc")  # besides torch's and fxopt's (fxopt.user_code)
 
 
 def globals_read(modules: Iterable[torch.nn.Module]) -> dict[str, frozenset[str]]:
@@ -70,7 +72,7 @@ def _module_of(function) -> str | None:
 
 
 def _is_users(module_name: str) -> bool:
-    return module_name.partition(".")[0] not in _SKIPPED_PACKAGES
+    return is_users_module(module_name) and module_name.partition(".")[0] not in _STANDARD_PACKAGES_SKIPPED
 
 
 def _method(cls: type | None, name: str):

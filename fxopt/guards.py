@@ -66,6 +66,7 @@ import torch
 
 from . import _torch_private
 from .global_reads import globals_read
+from .user_code import plain_attributes
 
 TRAIN_MODE = "train_mode"
 REQUIRES_GRAD = "requires_grad"
@@ -235,7 +236,6 @@ def _hook_ids(module: torch.nn.Module | None) -> tuple:
     return tuple(tuple(d) for d in _hook_dicts(module))
 
 
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # `training` and torch's own dicts (parameters, hooks...)
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 
 
@@ -319,11 +319,10 @@ def _settings(module: torch.nn.Module, objects_read: set[int]) -> tuple[tuple[st
     """(name, value) of the plain attributes in `module`'s own __dict__ and, as `holder.name`, in the __dict__
     of each plain-data object it holds (`config.scale`), and of those these hold in turn (`cfg.model.dropout`),
     SETTINGS_DEPTH objects deep, each object once: the objects `objects_read` does not name yet (then added)."""
-    attributes = {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS}
-    return tuple(_plain_attributes(attributes, "", objects_read, SETTINGS_DEPTH))
+    return tuple(_plain_settings(plain_attributes(module), "", objects_read, SETTINGS_DEPTH))
 
 
-def _plain_attributes(attributes: dict, prefix: str, objects_read: set[int], depth: int) -> list[tuple[str, Any]]:
+def _plain_settings(attributes: dict, prefix: str, objects_read: set[int], depth: int) -> list[tuple[str, Any]]:
     settings = []
     for name, value in attributes.items():
         if _is_plain(value):
@@ -332,7 +331,7 @@ def _plain_attributes(attributes: dict, prefix: str, objects_read: set[int], dep
             settings.append((prefix + name, SameItems(value)))
         elif depth and _holds_settings(value) and id(value) not in objects_read:
             objects_read.add(id(value))
-            settings += _plain_attributes(vars(value), f"{prefix}{name}.", objects_read, depth - 1)
+            settings += _plain_settings(vars(value), f"{prefix}{name}.", objects_read, depth - 1)
     return settings
 
 
@@ -457,7 +456,7 @@ class BoundGuards:
             return _Unresolvable()
 
     def _setting_entries_of(self, guard: Guard) -> list[tuple[dict, str, Any]]:
-        """(the __dict__ it is read from, its key there, the value captured) per entry of a SETTINGS or GLOBALS guard."""
+        """(the __dict__ it is read from, its key there, the value captured) per SETTINGS or GLOBALS entry."""
         if guard.kind == GLOBALS:
             module = sys.modules.get(guard.target)
             return [(vars(module) if module is not None else {}, name, value) for name, value in guard.expected]

@@ -19,6 +19,7 @@ import torch.fx as fx
 from . import _torch_private
 from .host_rng import HostRandomState
 from .tree import tensors_in
+from .user_code import plain_attributes
 
 
 class _Snapshot:
@@ -34,17 +35,17 @@ class _Snapshot:
         self.inputs = [(x, *_saved(x)) for x in tensors_in(inputs) if _has_data(x)]
         # Every binding of the user's modules, as it is (fxopt's own GraphModules run no Python that assigns, and the
         # passes that preserve state while they rewrite one may set what must stay: `gm.meta`, new submodules).
-        self.attributes = [(vars(m), dict(vars(m))) for m in module.modules() if not isinstance(m, fx.GraphModule)]
-        self.containers = [(value, copy.copy(value)) for _, bindings in self.attributes
-                           for key, value in bindings.items()
-                           if key not in _MODULE_INTERNALS and type(value) in (list, dict, set)]
+        users = [m for m in module.modules() if not isinstance(m, fx.GraphModule)]
+        self.attributes = [(vars(m), dict(vars(m))) for m in users]
+        self.containers = [(value, copy.copy(value)) for m in users
+                           for value in plain_attributes(m).values() if type(value) in (list, dict, set)]
 
     def restore(self) -> None:
         for attributes, bindings in self.attributes:
             for key in [k for k in attributes if k not in bindings]:  # attributes the forward added
                 del attributes[key]
             attributes.update(bindings)
-        for container, contents in self.containers:  # refilled, not compared: `==` on tensors inside would not be a bool
+        for container, contents in self.containers:  # refilled, not compared: `==` on tensors inside is no bool
             container.clear()
             container.update(contents) if isinstance(container, (dict, set)) else container.extend(contents)
         with torch.no_grad():
@@ -54,8 +55,6 @@ class _Snapshot:
             for tensor, saved, version in self.inputs:
                 _put_back(tensor, saved, version)
 
-
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own dicts (parameters, hooks...) and `training`
 
 
 def _saved(t: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -11,9 +11,9 @@ module tree with exported children), each graph with the example values of its p
 and the opaque modules. Every exported graph stands where its module was inside a
 `SpecializedCall`, which runs the original module for a call or a train/eval state the graph
 was not exported for; the whole-model graph is guarded by the result object (`fxopt.guards`,
-from `CapturedGraph.call` and `.training_flags`). The caller's model is never modified: module containers on the way to a
-replaced child are shells (`shell.py`: shallow copies whose plain attributes follow the caller's module); leaf
-modules and parameters are shared.
+from `CapturedGraph.call` and `.training_flags`). The caller's model is never modified: module containers on
+the way to a replaced child are shells (`shell.py`: shallow copies whose plain attributes follow the caller's
+module); leaf modules and parameters are shared.
 """
 from __future__ import annotations
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from typing import Any, NamedTuple
 
 import torch
 
+from ..user_code import caller_is_users
+
 READERS = ("is_grad_enabled", "is_inference_mode_enabled", "is_autocast_enabled", "get_autocast_dtype")
-_UNRECORDED_CALLERS = ("torch", "fxopt")  # top-level packages whose reads are the tracer's, not the model's
 
 
 class Read(NamedTuple):
@@ -63,9 +63,8 @@ def recording_reads():
         @functools.wraps(function)
         def read(*args, **kwargs):
             value = function(*args, **kwargs)
-            caller = sys._getframe(1).f_globals.get("__name__", "")
             record = Read(name, args, tuple(kwargs.items()), value)
-            if caller.partition(".")[0] not in _UNRECORDED_CALLERS and record not in reads:
+            if caller_is_users() and record not in reads:
                 reads.append(record)
             return value
         return read

@@ -16,11 +16,10 @@ Parameters, buffers and submodules are not recorded: export tracks writes to reg
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 
-_TRACER_PACKAGES = ("torch", "fxopt")  # their writes are the tracer's own bookkeeping, not the model's
+from ..user_code import caller_is_users
 
 
 @contextlib.contextmanager
@@ -34,10 +33,9 @@ def recording_writes(model: torch.nn.Module):
     original = torch.nn.Module.__setattr__
 
     def recording_setattr(self, name, value):
-        if id(self) in paths and not _is_registered_state(self, name, value):
-            caller = sys._getframe(1).f_globals.get("__name__", "")
+        if id(self) in paths and not _is_registered_state(self, name, value) and caller_is_users():
             where = ".".join(filter(None, (paths[id(self)], name)))
-            if caller.partition(".")[0] not in _TRACER_PACKAGES and where not in writes:
+            if where not in writes:
                 writes.append(where)
         original(self, name, value)
 

@@ -67,8 +67,8 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
         return f"{type(e).__name__}: {e}"
     try:
         with preserved_state(module, (args, kwargs), parameters=False), _torch_private.refuse_user_checkpoint(), \
-                traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs(), recording_reads() as reads, \
-                recording_writes(module) as writes:
+                traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs(), \
+                recording_reads() as reads, recording_writes(module) as writes:
             host_rng = HostRandomState()
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
             drawn = host_rng.drawn()  # before preserved_state puts the generators back

@@ -17,7 +17,8 @@ import functools
 
 import torch
 
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own dicts (children, hooks...) and `training`
+from ..user_code import plain_attributes
+
 _FORWARD = "forward"
 
 
@@ -41,6 +42,6 @@ def _forward_sharing_attributes(shell: torch.nn.Module, module: torch.nn.Module,
 def _copy_plain_attributes(source: torch.nn.Module, target: torch.nn.Module) -> None:
     """Bind in `target` each plain attribute of `source` that `target` binds to another object."""
     target_attributes = vars(target)
-    for name, value in vars(source).items():
-        if name not in _MODULE_INTERNALS and name != _FORWARD and target_attributes.get(name, target) is not value:
+    for name, value in plain_attributes(source).items():
+        if name != _FORWARD and target_attributes.get(name, target) is not value:
             target_attributes[name] = value

@@ -21,18 +21,9 @@ import torch
 
 from ..analysis.kept_outputs import ConvolutionArguments
 from ..graph_functions import graph_function, import_by_name
-from ._region_run import RegionRun, keep_output, take_output
+from ._region_run import RegionRun, output_once
 
 aten = torch.ops.aten
-
-
-def _output_once(run: RegionRun, key: str, compute) -> torch.Tensor:
-    """`compute()` on the first run, kept; on a recomputation, what it kept."""
-    if not run.first:
-        return take_output(run, key)
-    out = compute()
-    keep_output(run, key, out)
-    return out
 
 
 class _ConvolutionKeepingOutput(torch.autograd.Function):
@@ -40,7 +31,7 @@ class _ConvolutionKeepingOutput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, arguments: ConvolutionArguments, key: str, run: RegionRun):
-        out = _output_once(run, key, lambda: aten.convolution(x, weight, bias, *arguments))
+        out = output_once(run, key, lambda: aten.convolution(x, weight, bias, *arguments))
         ctx.save_for_backward(x, weight)
         ctx.arguments, ctx.bias_sizes = arguments, None if bias is None else list(bias.shape)
         return out
@@ -172,7 +163,7 @@ class _ProductKeepingOutput(torch.autograd.Function):
     def forward(ctx, kind: str, key: str, run: RegionRun, *operands):
         product = _PRODUCTS[kind]
         saved = product.saved(ctx, *operands)
-        out = _output_once(run, key, lambda: product.compute(ctx, operands, saved))
+        out = output_once(run, key, lambda: product.compute(ctx, operands, saved))
         ctx.save_for_backward(*saved)
         ctx.product = product
         return out

@@ -21,13 +21,17 @@ class RegionRun:
     scratch: dict
 
 
-def keep_output(run: RegionRun, key: str, out: torch.Tensor) -> None:
-    """On the first run: keep `out`, the output of the op named `key`, for the recomputation (take_output)."""
+def output_once(run: RegionRun, key: str, compute) -> torch.Tensor:
+    """The output of the op named `key`: `compute()` on the first run, kept for the recomputation, which takes it."""
+    if not run.first:
+        return _take_output(run, key)
+    out = compute()
     run.scratch[key] = (out.detach(), out._version)
+    return out
 
 
-def take_output(run: RegionRun, key: str) -> torch.Tensor:
-    """On a recomputation: the output keep_output kept for `key`, taken, not read (from here on the recomputation's
+def _take_output(run: RegionRun, key: str) -> torch.Tensor:
+    """On a recomputation: the output the first run kept for `key`, taken, not read (from here on the recomputation's
     graph holds it only as long as it needs it); a clear error where a second backward or an in-place write makes
     it unusable."""
     if key not in run.scratch:
