@@ -201,22 +201,24 @@ def model_state_guards(model: torch.nn.Module, owner: str, *, storage: bool = Fa
 
     guards = [guard(HOOKS, GLOBAL_HOOKS, _hook_ids(None))]
     objects_read = set()  # ids of the held objects whose settings are guarded already (one config, many modules)
+    baked_modules, tensor_attributes = [], []
     for path, module in model.named_modules(remove_duplicate=False):
         guards += [guard(TRAIN_MODE, path, module.training), guard(MODULE, path, type(module).__qualname__),
                    guard(HOOKS, path, _hook_ids(module))]
-        settings = _settings(module, objects_read) if baked(path) else ()
+        if not baked(path):
+            continue
+        baked_modules.append(module)
+        settings = _settings(module, objects_read)
         if settings:
             guards.append(guard(SETTINGS, path, settings))
+        # tensors held as plain attributes (`self.scale = torch.ones(4)`): export reads the object
+        tensor_attributes += [_join(path, name) for name, value in plain_attributes(module).items()
+                              if isinstance(value, torch.Tensor)]
     for name, p in model.named_parameters(remove_duplicate=False):
         guards += [guard(REQUIRES_GRAD, name, p.requires_grad), guard(same, name, None)]
     guards += [guard(same, name, None) for name, _ in model.named_buffers(remove_duplicate=False)]
-    guards += [guard(same, name, None) for name in _plain_tensor_attributes(model) if baked(name.rpartition(".")[0])]
-    baked_modules = [m for path, m in model.named_modules(remove_duplicate=False) if baked(path)]
-    for module_name, names in sorted(globals_read(baked_modules).items()):
-        module_globals = vars(sys.modules[module_name]) if module_name in sys.modules else {}
-        plain = [(name, module_globals[name]) for name in sorted(names) if _is_constant(module_globals[name])]
-        if plain:
-            guards.append(guard(GLOBALS, module_name, tuple(plain)))
+    guards += [guard(same, name, None) for name in tensor_attributes]
+    guards += [guard(GLOBALS, module_name, constants) for module_name, constants in _constants_read(baked_modules)]
     return guards
 
 
@@ -345,12 +347,20 @@ def _settings_dict(module, name: str) -> dict:
     return vars(owner) if hasattr(owner, "__dict__") else {}
 
 
-def _plain_tensor_attributes(model: torch.nn.Module) -> list[str]:
-    """The qualified names of the tensors modules hold as plain attributes (`self.scale = torch.ones(4)`, not a
-    parameter or buffer): export reads the object, so replacing it (`model.scale = torch.zeros(4)`) must be seen."""
-    return [f"{path}.{name}" if path else name for path, m in model.named_modules(remove_duplicate=False)
-            for name, value in vars(m).items()
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)]
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _constants_read(modules: list[torch.nn.Module]) -> list[tuple[str, tuple]]:
+    """(Python module name, ((global name, value), ...)) of the constants (`_is_constant`) the code of `modules`
+    loads by global name (fxopt.global_reads), per Python module holding some."""
+    read = []
+    for module_name, names in sorted(globals_read(modules).items()):
+        module_globals = vars(sys.modules[module_name]) if module_name in sys.modules else {}
+        constants = tuple((name, module_globals[name]) for name in sorted(names) if _is_constant(module_globals[name]))
+        if constants:
+            read.append((module_name, constants))
+    return read
 
 
 def _resolve_tensor(model: torch.nn.Module, name: str) -> tuple[dict, str]:
