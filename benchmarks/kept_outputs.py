@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import statistics
 import warnings
 
@@ -26,8 +27,11 @@ import torch
 import fxopt
 from checkpoint_vs_peers import LastHiddenState, _peak, _timed, add_common_arguments, prepare, print_tables
 from fxopt.analysis.memory import step_profile
+from fxopt.graph_functions import import_by_name
 from fxopt.passes._checkpoint_region import CheckpointedRegion, _save_counted_ops, extract_region
 from fxopt.passes._kept_outputs import product_once
+
+_PRODUCT_ONCE = inspect.signature(product_once)
 
 HEADERS = ["model", "variant", "selective regions", "peak", "step", "SAC policy - kept by region, ms"]
 
@@ -42,9 +46,9 @@ def under_torch_policy(graph_module: torch.nn.Module) -> torch.nn.Module:
         graph = region.body.graph
         calls = [n for n in graph.nodes if n.op == "call_function" and n.target is product_once]
         for call in calls:
-            target, args, kwargs = call.args[4]  # the op as the graph wrote it (product_once's `original`)
+            target, args, kwargs = _PRODUCT_ONCE.bind(*call.args, **call.kwargs).arguments["original"]  # as written
             with graph.inserting_before(call):
-                op = graph.call_function(target, args, kwargs)
+                op = graph.call_function(import_by_name(target) if isinstance(target, str) else target, args, kwargs)
             op.meta.update(call.meta)
             call.replace_all_uses_with(op)
             graph.erase_node(call)
