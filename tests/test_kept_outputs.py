@@ -198,7 +198,8 @@ def test_which_convolutions_are_kept():
 
     w = torch.randn(4, 3, 3)
     (kept,) = calls(_Functional(lambda x: F.conv1d(x, w, stride=2, padding=1)), torch.randn(2, 3, 9))
-    assert kept is not None and (kept.stride, kept.padding, kept.dilation) == ([2], [1], [1])
+    assert kept is not None
+    assert (kept.arguments.stride, kept.arguments.padding, kept.arguments.dilation) == ([2], [1], [1])
     assert calls(_Functional(lambda x: F.conv1d(x, w, padding="same")), torch.randn(2, 3, 9)) == [None]
     assert calls(_Functional(lambda x: F.conv1d(x, w)), torch.randn(3, 9)) == [None]
 

@@ -11,8 +11,9 @@ the same inputs (`convolution_backward`; the `mm`/`bmm` products of the matmul f
 ATen's path through the op gives them), so gradients come out with the same bits. The region's other ops run at
 full speed under a plain checkpoint.
 
-`kept_convolution(node)` gives the arguments of such a convolution (a batched one whose padding is numbers, not
-"same"/"valid"), or None; `kept_product(node)` the kind of such a product, or None; `kept_output(node)` either;
+`kept_convolution(node)` gives the operands and arguments of such a convolution (a batched one whose padding is
+numbers, not "same"/"valid"), or None; `kept_product(node)` the kind and operands of such a product, or None;
+`kept_output(node)` either;
 `outputs_kept_by_region(counted)` says whether a region keeps its ops' outputs so, the one rule both the region
 (fxopt.passes._checkpoint_region) and its price (fxopt.analysis.memory) follow.
 """
@@ -50,6 +51,13 @@ class ConvolutionArguments(NamedTuple):
     groups: int
 
 
+class ConvolutionCall(NamedTuple):
+    """A convolution a region keeps the output of: its tensor operands (input, weight, bias or None) and the rest."""
+
+    operands: tuple
+    arguments: ConvolutionArguments
+
+
 class ProductCall(NamedTuple):
     """A matrix product a region keeps the output of: its kind and its tensor operands, in the op's order (`linear`:
     input, weight, bias or None)."""
@@ -66,8 +74,8 @@ def _spelled_out(value, dims: int) -> list[int] | None:
     return values * dims if len(values) == 1 else values
 
 
-def kept_convolution(node: fx.Node) -> ConvolutionArguments | None:
-    """The arguments with which a selective region runs `node` keeping its output itself (module docstring), or
+def kept_convolution(node: fx.Node) -> ConvolutionCall | None:
+    """How a selective region runs convolution `node` keeping its output itself (module docstring), or
     None where it cannot: not a convolution, tensors that are not graph nodes, an unbatched input, or arguments that
     are not plain numbers."""
     conv = match_conv(node)
@@ -81,7 +89,8 @@ def kept_convolution(node: fx.Node) -> ConvolutionArguments | None:
     if any(v is None for v in lists):
         return None
     stride, padding, dilation, output_padding = lists
-    return ConvolutionArguments(stride, padding, dilation, conv.transposed, output_padding, conv.groups)
+    arguments = ConvolutionArguments(stride, padding, dilation, conv.transposed, output_padding, conv.groups)
+    return ConvolutionCall((conv.input, conv.weight, conv.bias), arguments)
 
 
 def _product_operands(node: fx.Node) -> tuple[str, tuple, tuple] | None:
@@ -122,12 +131,12 @@ def kept_product(node: fx.Node) -> ProductCall | None:
     return ProductCall(kind, operands)
 
 
-def kept_output(node: fx.Node) -> ConvolutionArguments | ProductCall | None:
+def kept_output(node: fx.Node) -> ConvolutionCall | ProductCall | None:
     """How a selective region keeps `node`'s output itself (a convolution or a matrix product), or None."""
     return kept_convolution(node) or kept_product(node)
 
 
-def outputs_kept_by_region(counted: Iterable[fx.Node]) -> dict[fx.Node, ConvolutionArguments | ProductCall] | None:
+def outputs_kept_by_region(counted: Iterable[fx.Node]) -> dict[fx.Node, ConvolutionCall | ProductCall] | None:
     """The ops a selective region keeps the outputs of itself, each with how (kept_output), when every op it keeps
     (`counted`: the matmuls, convolutions and attention it holds) is one; else None: torch's selective checkpoint
     keeps them."""

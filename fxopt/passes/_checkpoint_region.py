@@ -39,8 +39,7 @@ from .. import _torch_private
 from ..analysis import batch_norm_replay
 from ..analysis.dropout_replay import draw, replay, replayable_dropouts
 from ..analysis.flops import is_counted_op
-from ..analysis.kept_outputs import ConvolutionArguments, ProductCall, outputs_kept_by_region
-from ..analysis.ops import match_conv
+from ..analysis.kept_outputs import ConvolutionCall, ProductCall, outputs_kept_by_region
 from ..graph_functions import graph_function, importable_name
 from ..op_names import call_arguments
 from ._kept_outputs import convolution_once, product_once
@@ -174,20 +173,17 @@ def _batch_norm_once_call(body: fx.Graph, node: fx.Node, env: dict, run: fx.Node
                                                 a.get("momentum", 0.1), a.get("eps", 1e-5), node.name, run))
 
 
-def _kept_output_call(body: fx.Graph, node: fx.Node, how: ConvolutionArguments | ProductCall, env: dict,
+def _kept_output_call(body: fx.Graph, node: fx.Node, how: ConvolutionCall | ProductCall, env: dict,
                       run: fx.Node) -> fx.Node:
     """The body's call of `node` keeping its output (`how`: fxopt.analysis.kept_outputs.kept_output)."""
     target = node.target
     if not isinstance(target, _torch_private.op_overload_types()):
         target = importable_name(target)  # fx prints a function as an argument by name only
     original = fx.map_arg((target, node.args, node.kwargs), lambda a: env[a])
+    operands = tuple(env[a] if a is not None else None for a in how.operands)
     if isinstance(how, ProductCall):
-        operands = tuple(env[a] if a is not None else None for a in how.operands)
         return body.call_function(product_once, (how.kind, operands, node.name, run, original))
-    conv = match_conv(node)
-    return body.call_function(convolution_once, (env[conv.input], env[conv.weight],
-                                                 env[conv.bias] if conv.bias is not None else None,
-                                                 tuple(how), node.name, run, original))
+    return body.call_function(convolution_once, (*operands, tuple(how.arguments), node.name, run, original))
 
 
 def is_lone_state_update(node: fx.Node) -> bool:
