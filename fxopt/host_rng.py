@@ -5,9 +5,13 @@ torch.random.fork_rng keeps torch's generators; a forward may also draw from the
 `HostRandomState()` records both; `drawn()` names those drawn from since, and `restore()` puts
 them back. Capture uses it to leave the caller's streams as they were, and to refuse to export a
 forward that draws from them: the graph would bake the one draw made while tracing.
+`forked_host_rng(seed)` is their `torch.random.fork_rng`: every run of the caller's model made for
+information (verify=True's reference and candidate steps, the HTML timeline) draws from seeded
+generators, so two runs draw the same numbers, and leaves the caller's streams where they were.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 
@@ -30,6 +34,20 @@ class HostRandomState:
         random.setstate(self.python)
         if self.numpy is not None:
             _numpy_random().set_state(self.numpy)
+
+
+@contextlib.contextmanager
+def forked_host_rng(seed: int | None = None):
+    """Python's and NumPy's global generators put back on exit; seeded with `seed` inside when one is given."""
+    state = HostRandomState()
+    try:
+        if seed is not None:
+            random.seed(seed)
+            if _numpy_random() is not None:
+                _numpy_random().seed(seed)
+        yield
+    finally:
+        state.restore()
 
 
 def _numpy_random():

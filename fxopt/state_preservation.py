@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import _torch_private
-from .host_rng import HostRandomState
+from .host_rng import forked_host_rng
 from .tree import tensors_in
 from .user_code import plain_attributes
 
@@ -94,11 +94,10 @@ def preserved_state(module: torch.nn.Module, inputs=(), parameters: bool = True)
     `parameters=False` leaves parameters out (copying them is most of the cost): for runs that
     cannot write them, such as torch.export's, which turns writes to parameters into graph ops.
     """
-    snapshot, host_rng = _Snapshot(module, inputs, parameters), HostRandomState()
+    snapshot = _Snapshot(module, inputs, parameters)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), forked_host_rng():
         try:
             yield
         finally:
             snapshot.restore()
-            host_rng.restore()

@@ -9,10 +9,12 @@ script marks `<body data-ready>` when it finished and records any script error i
 from __future__ import annotations
 
 import pathlib
+import random
 import re
 import shutil
 import subprocess
 
+import numpy
 import pytest
 import torch
 import torch.nn as nn
@@ -70,6 +72,19 @@ def test_timeline_peak_is_the_measured_peak():
     phases = [p.phase for p in timeline.points]
     assert phases[0] == "forward" and phases[-1] == "backward"
     assert any(p.where.startswith("mlp.blocks") for p in timeline.points if p.phase == "backward")
+
+
+def test_timeline_leaves_python_and_numpy_generators():
+    """A step the timeline runs leaves Python's and NumPy's global generators where the caller had them."""
+    model = nn.Linear(4, 4)
+    model.forward = lambda x: nn.Linear.forward(model, x) * random.random() * float(numpy.random.rand())
+    random.seed(5)
+    numpy.random.seed(5)
+    expected = (random.random(), float(numpy.random.rand()))
+    random.seed(5)
+    numpy.random.seed(5)
+    measure_timeline(model, (torch.randn(2, 4),), training=True, label="eager")
+    assert (random.random(), float(numpy.random.rand())) == expected
 
 
 def test_inference_timeline_is_forward_only():

@@ -4,7 +4,9 @@ from __future__ import annotations
 import copy
 import io
 import json
+import random
 
+import numpy
 import pytest
 import torch
 import torch.fx as fx
@@ -223,6 +225,36 @@ def test_dump_stages_is_written_even_when_verification_fails(tmp_path, monkeypat
     with pytest.raises(fxopt.FxoptError, match="scale_output"):
         fxopt.optimize(eval_net(), X, passes=["scale_output"], verify=True, instruments=[DumpStages(tmp_path)])
     assert "torch.mul" in (tmp_path / "01_scale_output.py").read_text()
+
+
+class HostRandomMask(nn.Module):
+    """In training, masks its hidden features with NumPy's and Python's global generators, as HF Wav2Vec2's
+    SpecAugment draws its masks from NumPy."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.inner(x)
+        if self.training:
+            keep = torch.from_numpy(numpy.random.rand(h.shape[-1]) > 0.3).to(h.dtype)
+            h = h * keep * (1.0 + random.random())
+        return self.head(h)
+
+
+def test_verify_seeds_python_and_numpy_generators_and_leaves_the_callers_streams():
+    """verify=True draws the original's and the candidate's masks from the same seeded NumPy and Python
+    generators (it failed capture on HF Wav2Vec2 in training), and leaves the caller's streams where they were."""
+    random.seed(3)
+    numpy.random.seed(3)
+    expected = (random.random(), float(numpy.random.rand()))
+    random.seed(3)
+    numpy.random.seed(3)
+    optimized = fxopt.optimize(HostRandomMask().train(), (torch.randn(3, 4),), mode="training", verify=True)
+    assert (random.random(), float(numpy.random.rand())) == expected
+    assert optimized.fxopt_report.opaque  # the root draws from host generators: it runs as written
 
 
 # ----------------------------------------------------------------------------- the report

@@ -5,7 +5,8 @@ candidate, so neither run touches the caller's model, its buffers or its inputs.
 check is of capture alone (`stage="capture"`), so a difference capture introduced is never
 blamed on a pass. Any exception of the candidate's step (forward or backward) becomes an
 FxoptError naming the stage after which it appeared. Both runs
-start from the same RNG seed (dropout draws the same masks). In training mode the check also
+start from the same RNG seed, torch's and Python's and NumPy's (dropout draws the same masks, and so
+does a SpecAugment mask drawn from NumPy, as HF Wav2Vec2's in training). In training mode the check also
 runs backward with fixed random output gradients and compares every parameter's gradient and
 every buffer (BatchNorm running statistics) after the step.
 """
@@ -18,6 +19,7 @@ import torch
 
 from .. import _torch_private
 from ..errors import FxoptError
+from ..host_rng import forked_host_rng
 from ..model_copy import independent_copy
 from ..output_selection import chosen_outputs, entries_of, parse_differentiable_outputs
 from ..tree import flatten_tensors
@@ -42,7 +44,8 @@ def differentiated_outputs(output, declared) -> list[torch.Tensor]:
 
 
 def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool, differentiable=None) -> StepResult:
-    """One forward (and in training, backward) on copies; the caller's objects are untouched.
+    """One forward (and in training, backward) on copies; the caller's objects and random streams are untouched.
+    torch's, Python's and NumPy's generators are seeded with SEED, so two runs draw the same numbers.
 
     `differentiable`: which outputs the loss reads (prune_dead_grads' `differentiable_outputs`).
     """
@@ -50,7 +53,7 @@ def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool, diff
     inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
               for x in example_inputs]
     tensors: dict[str, torch.Tensor] = {}
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), forked_host_rng(SEED):
         torch.manual_seed(SEED)
         with torch.set_grad_enabled(training):
             result = model(*inputs)

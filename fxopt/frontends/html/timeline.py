@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..._torch_private import tree_leaves
+from ...host_rng import forked_host_rng
 from ...measure import _LiveStorageMode, _storage_ids
 from ...pipeline.instruments import Instrument
 from .snapshots import node_module_path
@@ -182,7 +183,7 @@ def _untouched(model: torch.nn.Module):
     """Restore buffers, RNG and parameter `.grad` after running `model` for information."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     grads = [(p, p.grad) for p in model.parameters()]
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), forked_host_rng():
         try:
             yield
         finally:
