@@ -1,10 +1,11 @@
 """checkpoint_activations' planning shortcuts: the same plans and shapes as the long way, in less time."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fxopt.analysis import shapes
-from fxopt.analysis.memory import estimate, step_profile
+from fxopt.analysis.memory import Estimate, estimate, step_profile
 from fxopt.passes import _checkpoint_plan
 from fxopt.passes.base import TRAINING, PassContext
 from fxopt.passes.checkpoint_activations import CheckpointActivations
@@ -43,6 +44,23 @@ def test_lazy_final_check_finds_the_plan_every_label_would(monkeypatch):
         if plan is not None:
             assert sum(map(profile.region_cost, plan)) == sum(map(profile.region_cost, full)), budget
             assert estimate(profile, plan).peak <= budget * before
+
+
+@pytest.mark.parametrize("objective", ["cost", "peak"])
+def test_final_check_stops_at_labels_tied_with_the_best(objective, monkeypatch):
+    """Labels tied with the best on the objective's first key, but no better on its second, are not estimated (HF
+    MobileViT's lowest-peak plan estimated 30,641 such labels, 106 s)."""
+    estimated = []
+
+    def whole_estimate(profile, regions):  # a plan's whole peak is its walked peak here: regions = (peak,)
+        estimated.append(regions)
+        return Estimate(0, regions[0], regions[0], 0)
+
+    monkeypatch.setattr(_checkpoint_plan, "estimate", whole_estimate)
+    tied = [_checkpoint_plan._Label(0, 5 if objective == "cost" else i, 7 if objective == "peak" else i, (7 if
+            objective == "peak" else i,)) for i in range(1000)]
+    best = _checkpoint_plan._best_final(tied, None, budget=10_000, objective=objective)
+    assert best == ((7,) if objective == "peak" else (0,)) and len(estimated) == 1
 
 
 def test_regions_carry_their_shapes():

@@ -178,13 +178,16 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
 
 def _best_final(finals: list[_Label], profile: StepProfile, budget: float, objective: str) -> tuple[Region, ...] | None:
     """The best plan by (cost, peak) or (peak, cost) once the forward's peak is counted too: the walk bounds
-    the backward only. A label's walked peak is a lower bound of its whole peak, so the labels are taken
-    in order of their objective and the whole estimate (O(steps) each) is made only while one may still win."""
+    the backward only. A label's walked peak is a lower bound of its whole peak, so its walked (cost, peak) or
+    (peak, cost) is a lower bound of its whole one: the labels are taken in that order and the whole estimate
+    (O(steps) each) is made only while one may still win. (Stopping on the first of the two alone estimated
+    every label tied with the best on it: HF MobileViT's lowest-peak plan, 30,641 labels of one walked peak,
+    106 s.)"""
     order = (lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost))
     best = None
     for label in sorted(finals, key=order):
-        if best is not None and (label.cost > best.cost if objective == "cost" else label.peak > best.peak):
-            break  # sorted: no later label can beat (or tie) the best
+        if best is not None and order(label) >= order(best):
+            break  # sorted by a lower bound of the whole order: no later label can beat the best
         whole = label._replace(peak=estimate(profile, label.regions).peak)
         if whole.peak <= budget and (best is None or order(whole) < order(best)):
             best = whole
