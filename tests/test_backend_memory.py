@@ -8,6 +8,7 @@ parameter's gradient and every buffer.
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 
 import pytest
@@ -105,6 +106,23 @@ def test_mlp_step_matches_eager_at_each_budget(budget):
     torch.manual_seed(0)
     model = DeepMLP().double()
     _compiled_matches_eager(model, torch.randn(16, 32, dtype=torch.float64), memory_budget=budget)
+
+
+def test_planning_pauses_the_collector(monkeypatch):
+    """The planner runs with the garbage collector paused, as on the eager path (HF MobileViT: 37.9 s of
+    planning with it on, 13.4 s paused)."""
+    from fxopt.frontends import backend_memory
+    collector_on = []
+
+    def plan(*args, **kwargs):
+        collector_on.append(gc.isenabled())
+        return plan_regions(*args, **kwargs)
+
+    plan_regions = backend_memory.plan_regions
+    monkeypatch.setattr(backend_memory, "plan_regions", plan)
+    torch.manual_seed(0)
+    _compiled_matches_eager(DeepMLP().double(), torch.randn(16, 32, dtype=torch.float64), memory_budget=0.5)
+    assert collector_on and not any(collector_on) and gc.isenabled()
 
 
 def test_dropout_masks_are_not_redrawn_by_recomputation():

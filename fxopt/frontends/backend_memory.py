@@ -78,6 +78,7 @@ from ..analysis.memory import Region, StepProfile, estimate, step_profile
 from ..analysis.partition_memory import partition_peak
 from ..analysis.shapes import propagate_shapes
 from ..analysis.side_effects import RNG, effects
+from ..collector import collector_paused
 from ..errors import FxoptError
 from ..model_copy import graph_module_copy
 from ..passes._checkpoint_plan import plan_regions, region_boundaries
@@ -138,8 +139,9 @@ def plan_candidates(gm: fx.GraphModule, example_inputs: list) -> list[Candidate]
     checkpointable = [not refusal(s.node, copy) and (RNG not in effects(s.node, copy) or replayed_dropout_p(s.node))
                       for s in profile.steps]
     peak = estimate(profile).peak
-    plans = [(f"planner at {f}x peak", plan_regions(profile, f * peak, checkpointable)) for f in LADDER]
-    plans.append(("lowest-peak plan", plan_regions(profile, math.inf, checkpointable, objective="peak")))
+    with collector_paused():  # the planner makes hundreds of thousands of small tuples, no cycles
+        plans = [(f"planner at {f}x peak", plan_regions(profile, f * peak, checkpointable)) for f in LADDER]
+        plans.append(("lowest-peak plan", plan_regions(profile, math.inf, checkpointable, objective="peak")))
     plans += _strided_plans(profile, checkpointable)
     out, seen = [], set()
     for name, regions in plans:
