@@ -77,6 +77,9 @@ CORPUS: tuple[Entry, ...] = (
                                      dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
                                           num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2],
                                           mlp_ratios=[2, 2])), IMAGE),
+    Entry("MobileViT", "vision", _hf(T.MobileViTModel, T.MobileViTConfig,
+                                     dict(image_size=TINY_IMAGE, hidden_sizes=[16, 24, 32],
+                                          neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64])), IMAGE),
     Entry("BERT", "text", _hf(T.BertModel, T.BertConfig, _TINY_TEXT), TEXT),
     Entry("RoBERTa", "text", _hf(T.RobertaModel, T.RobertaConfig, _TINY_TEXT), TEXT),
     Entry("DistilBERT", "text", _hf(T.DistilBertModel, T.DistilBertConfig,
@@ -88,11 +91,29 @@ CORPUS: tuple[Entry, ...] = (
     Entry("T5-encoder", "text", _hf(T.T5EncoderModel, T.T5Config,
                                     dict(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2)),
           TEXT),
+    Entry("Llama", "text", _hf(T.LlamaModel, T.LlamaConfig,  # rotary positions, RMSNorm, grouped-query attention
+                               dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                                    use_cache=False),
+                               dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,  # TinyLlama-1.1B
+                                    num_attention_heads=32, num_key_value_heads=4, use_cache=False)), TEXT),
+    Entry("BART", "text", _hf(T.BartModel, T.BartConfig,  # encoder-decoder; decoder inputs shifted from the inputs
+                              dict(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                   decoder_ffn_dim=64, max_position_embeddings=64, use_cache=False),
+                              dict(use_cache=False)), TEXT),
     Entry("Whisper-encoder", "audio", _hf(WhisperEncoder, T.WhisperConfig,
                                           dict(num_mel_bins=16, d_model=32, encoder_layers=2,
                                                encoder_attention_heads=2, encoder_ffn_dim=64,
                                                max_source_positions=32)),
           lambda size, batch: (torch.randn(batch, 16, 64) if size == "tiny" else torch.randn(batch, 80, 3000),)),
+    # in training: SpecAugment masks drawn from NumPy's global generator, LayerDrop from torch's
+    Entry("Wav2Vec2", "audio", _hf(T.Wav2Vec2Model, T.Wav2Vec2Config,
+                                   dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                                        conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                        num_conv_pos_embedding_groups=4)),
+          lambda size, batch: (torch.randn(batch, 800 if size == "tiny" else 16000),)),
 )
 
 BY_NAME = {e.name: e for e in CORPUS}
