@@ -5,9 +5,9 @@ torch.random.fork_rng keeps torch's generators; a forward may also draw from the
 `HostRandomState()` records both; `drawn()` names those drawn from since, and `restore()` puts
 them back. Capture uses it to leave the caller's streams as they were, and to refuse to export a
 forward that draws from them: the graph would bake the one draw made while tracing.
-`forked_host_rng(seed)` is their `torch.random.fork_rng`: every run of the caller's model made for
-information (verify=True's reference and candidate steps, the HTML timeline) draws from seeded
-generators, so two runs draw the same numbers, and leaves the caller's streams where they were.
+`forked_host_rng(seed)` is their `torch.random.fork_rng`: a run of the caller's model made for information
+(preserved_state's, verify=True's steps, the HTML timeline's) leaves the caller's streams where they were,
+and verify=True's reference and candidate steps draw from generators seeded alike, so the same numbers.
 """
 from __future__ import annotations
 
