@@ -92,3 +92,43 @@ def test_a_mask_that_masks_something_or_reads_an_input_is_kept(kind):
     masks = [_mask(n) for n in optimized.graph_module.graph.nodes if n.target is _SDPA]
     assert len(masks) == 1 and masks[0] is not None
     torch.testing.assert_close(optimized(*args), model(*args), rtol=1e-12, atol=1e-12)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal grouped-query attention as transformers writes it: eager passes no mask and `enable_gqa=True`; under
+    export it builds the causal mask, and with a mask it copies each key and value head per query head (`repeat_kv`)."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 2, dim: int = 8):
+        super().__init__()
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.q, self.kv = nn.Linear(16, heads * dim), nn.Linear(16, 2 * kv_heads * dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.dim).transpose(1, 2)
+        k, v = (t.view(b, n, self.kv_heads, self.dim).transpose(1, 2) for t in self.kv(x).chunk(2, dim=-1))
+        if not torch.compiler.is_exporting():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        positions = torch.arange(n)
+        mask = (positions[None, :] <= positions[:, None]).expand(b, 1, n, n)
+        groups = self.heads // self.kv_heads
+        k, v = (t[:, :, None, :, :].expand(b, self.kv_heads, groups, n, self.dim).reshape(b, self.heads, n, self.dim)
+                for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_dropped_causal_mask_shares_key_value_heads_as_eager():
+    """Once its causal mask is dropped, a grouped-query call gets its key and value heads as they are, with
+    enable_gqa=True, as eager's: float32 gradients equal eager's bit for bit (the per-head copies' backward summed the
+    shared heads' gradients in another order: HF Llama's differed by 1e-10)."""
+    torch.manual_seed(0)
+    model, x = GroupedQueryAttention().train(), torch.randn(2, 6, 16)
+    optimized = fxopt.optimize(model, (x,), mode="training", passes=[])
+    (sdpa,) = [n for n in optimized.graph_module.graph.nodes if n.target is _SDPA]
+    assert sdpa.kwargs.get("enable_gqa") is True and _mask(sdpa) is None
+    assert not [n for n in optimized.graph_module.graph.nodes if n.target is torch.ops.aten.expand.default]
+    reference = copy.deepcopy(model)
+    optimized(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -17,6 +17,16 @@ mask (`ones(L, S).tril()` over its last two dimensions, broadcast over the other
 `is_causal=True` applies) of a call that is not causal already, the call drops it and becomes
 causal. The ops that only built the mask are erased. Any other mask, and a mask read from
 anything else (an `attention_mask` argument, the sequence length), is kept.
+
+Models with grouped-query attention (Llama, Mistral, Qwen2) also choose their key and value by the
+mask: without one, eager passes SDPA the key and value heads as they are with `enable_gqa=True`
+(transformers' `use_gqa_in_sdpa`); with the mask export built, they are first copied once per query
+head (`repeat_kv`: unsqueeze, expand, reshape). Where a call loses its mask, such copies are undone and
+the call takes `enable_gqa=True`, as eager's does: the same gradients bit for bit (SDPA's backward sums
+a shared head's gradients itself, the copies' backward summed them in another order: 1e-10 apart on a
+float32 Llama), and no copies of the keys and values saved for backward. (A transformers release
+before `use_gqa_in_sdpa` copied the heads in eager too; its gradients then differ from fxopt's by
+such rounding.)
 """
 from __future__ import annotations
 
@@ -46,11 +56,48 @@ def drop_constant_masks(gm: fx.GraphModule) -> int:
         if kind == "causal":
             _set_argument(node, arguments, "is_causal", True)
         _erase_unused(mask)
+        _share_key_value_heads(node, call_arguments(node))
         changed += 1
     if changed:
         gm.graph.lint()
         gm.recompile()
     return changed
+
+
+def _share_key_value_heads(sdpa: fx.Node, arguments: dict) -> None:
+    """Undo the per-query-head copies of `sdpa`'s key and value, and call it with `enable_gqa=True` (module
+    docstring); nothing where either is no such copy, or their groups differ."""
+    if arguments.get("enable_gqa") is not False:  # not in this torch's schema, or set already
+        return
+    key, value = _repeated_heads(arguments["key"]), _repeated_heads(arguments["value"])
+    if key is None or value is None or key[1] != value[1]:
+        return
+    for name, (shared, _) in (("key", key), ("value", value)):
+        copy = arguments[name]
+        _set_argument(sdpa, arguments, name, shared)
+        _erase_unused(copy)
+    _set_argument(sdpa, arguments, "enable_gqa", True)
+
+
+def _repeated_heads(node) -> tuple[fx.Node, int] | None:
+    """(heads, groups) where `node` is `reshape(expand(unsqueeze(heads, 2), [b, h, groups, s, d]), [b, h * groups,
+    s, d])` read by nothing else: transformers' `repeat_kv` of 4-D `heads` as exported, static shapes; else None."""
+    chain = []
+    for target in (_aten.reshape.default, _aten.expand.default, _aten.unsqueeze.default):
+        if not (isinstance(node, fx.Node) and node.target is target and len(node.users) == 1):
+            return None
+        chain.append(node)
+        node = node.args[0]
+    reshape, expand, unsqueeze = chain
+    shapes = [n.meta.get("val") for n in (node, expand, reshape)]
+    if unsqueeze.args[1] != 2 or not all(isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape)
+                                         for v in shapes):
+        return None
+    (b, h, s, d), expanded, repeated = (tuple(v.shape) for v in shapes)
+    groups = expanded[2] if len(expanded) == 5 else 0
+    if expanded != (b, h, groups, s, d) or repeated != (b, h * groups, s, d):
+        return None
+    return node, groups
 
 
 def _set_argument(node: fx.Node, arguments: dict, name: str, value) -> None:
