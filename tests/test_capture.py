@@ -679,6 +679,63 @@ def test_users_checkpoint_calls_are_kept_not_inlined():
     assert_same_step(model, optimized, (x,), training=True)
 
 
+class _RoundStraightThrough(torch.autograd.Function):
+    """Rounds; its gradient passes through unchanged (quantization-aware training's straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _ReverseGradient(torch.autograd.Function):
+    """The identity whose gradient is negated (domain-adversarial training)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class _Quantized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _ReverseGradient.apply(_RoundStraightThrough.apply(self.linear(x) * 4))
+
+
+class CustomGradients(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.quantized = _Quantized()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.quantized(self.encoder(x)))
+
+
+def test_custom_autograd_functions_keep_their_backward():
+    """A module calling custom autograd Functions runs as written, so their own backward runs (export would
+    differentiate their forward: the straight-through gradient became 0); its siblings are still exported."""
+    torch.manual_seed(0)
+    model = CustomGradients().train()
+    x = torch.randn(4, 8, requires_grad=True)
+    optimized = fxopt.optimize(model, (x,), mode="training")
+    opaque = {o.path: o.reason for o in optimized.fxopt_report.opaque}
+    assert set(opaque) == {"", "quantized"} and "_RoundStraightThrough" in opaque["quantized"]
+    assert optimized.fxopt_report.graphs == ["encoder"]
+    assert_same_step(model, optimized, (x,), training=True, rtol=0, atol=0)
+
+
 class _AccumulatesIntoAFreshTensor(nn.Module):
     def __init__(self):
         super().__init__()
