@@ -736,6 +736,40 @@ def test_custom_autograd_functions_keep_their_backward():
     assert_same_step(model, optimized, (x,), training=True, rtol=0, atol=0)
 
 
+class _ScalesItsGradient(nn.Module):
+    """Multiplies the gradient of its hidden features by 10 with a hook registered in forward, or (`offload`) keeps
+    what autograd saves through saved-tensor hooks that double it."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.linear = kind, nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.kind == "saved_tensors_hooks":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 2, lambda t: t):
+                return torch.sin(self.linear(x))
+        h = self.linear(x)
+        if self.kind == "register_hook":
+            h.register_hook(lambda grad: grad * 10)
+        else:
+            h.retain_grad()
+        return h
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "retain_grad", "saved_tensors_hooks"])
+def test_hooks_a_forward_sets_on_autograd_are_kept(kind):
+    """A module whose forward registers a tensor hook, retains a gradient or enters saved-tensor hooks runs as
+    written (export would drop them: the hook's scaled gradients came out unscaled); its siblings are still exported."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.GELU()), _ScalesItsGradient(kind), nn.Linear(8, 2)).train()
+    x = torch.randn(4, 8, requires_grad=True)
+    optimized = fxopt.optimize(model, (x,), mode="training")
+    opaque = {o.path: o.reason for o in optimized.fxopt_report.opaque}
+    assert set(opaque) == {"", "1"} and ("hook" in opaque["1"] or "retain_grad" in opaque["1"])
+    assert optimized.fxopt_report.graphs == ["0"]
+    assert_same_step(model, optimized, (x,), training=True, rtol=0, atol=0)
+
+
 class _AccumulatesIntoAFreshTensor(nn.Module):
     def __init__(self):
         super().__init__()

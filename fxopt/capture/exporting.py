@@ -7,8 +7,9 @@ into a plain `torch.fx.GraphModule`: without export's input-guard call (`_guards
 with an `AssertionError`; its facts are kept in a `CallSpec`), and without export's forward hooks
 (closures that neither pickle nor let a call differ), and without the constant all-True or causal
 attention masks export made Hugging Face models build where eager passes none (`attention_masks.py`).
-A forward calling a custom autograd Function is refused (`custom_functions.py`): export keeps its
-forward, not its backward.
+A forward calling a custom autograd Function, registering a tensor hook or entering saved-tensor hooks
+is refused (`autograd_extensions.py`): the graph would keep the Function's forward without its
+backward, and none of the hooks.
 
 Sizes are those of the example call (a static export: the cheapest, and its fake values,
 `node.meta["val"]`, are the concrete example shapes the analyses need). With `dynamic_batch` the
@@ -31,7 +32,7 @@ from .. import _torch_private
 from .ambient_state import recording_reads
 from .attention_masks import drop_constant_masks
 from .attribute_writes import recording_writes
-from .custom_functions import refusing_custom_functions
+from .autograd_extensions import refusing_autograd_extensions
 from .call_spec import CallSpec
 from ..host_rng import HostRandomState
 from ..state_preservation import preserved_state
@@ -70,7 +71,7 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
         return f"{type(e).__name__}: {e}"
     try:
         with preserved_state(module, (args, kwargs), parameters=False), _torch_private.refuse_user_checkpoint(), \
-                traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs(), refusing_custom_functions(), \
+                traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs(), refusing_autograd_extensions(), \
                 recording_reads() as reads, recording_writes(module) as writes:
             host_rng = HostRandomState()
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)

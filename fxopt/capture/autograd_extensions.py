@@ -1,0 +1,73 @@
+"""What a forward being exported asks of autograd that the exported graph would drop.
+
+Non-strict torch.export traces a forward into ATen ops; what the forward arranges for its backward is
+not an op, and the graph silently loses it:
+
+* a custom `torch.autograd.Function`: its forward is traced, its own `backward` dropped, so autograd
+  differentiates the forward instead (a straight-through estimator's gradient of `round` becomes 0, a
+  gradient-reversal layer loses its sign, BLOOM's training GELU its own formula, a collective its
+  all-reduce);
+* a hook on a tensor (`h.register_hook(fn)`: Grad-CAM's gradient capture, a gradient clip or scale),
+  or `h.retain_grad()`;
+* saved-tensor hooks entered in the forward (`with torch.autograd.graph.save_on_cpu():` offloading).
+
+Within `refusing_autograd_extensions()` each of these, called from the model's code (not torch's or
+fxopt's; a Function: any not defined by fxopt), raises `AutogradExtension`, so capture refuses to
+export the module calling it; that module runs as written while its other children are captured
+(fxopt.capture). A Function that overrides `apply` itself is not seen.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..user_code import caller_is_users
+
+
+class AutogradExtension(Exception):
+    """A forward being exported asked autograd for something the graph would drop (module docstring)."""
+
+
+@contextlib.contextmanager
+def refusing_autograd_extensions():
+    """Within: custom Functions' `apply`, and tensor and saved-tensor hooks from the model's code, raise
+    AutogradExtension (module docstring)."""
+    function, tensor, saved = torch.autograd.Function, torch.Tensor, torch.autograd.graph.saved_tensors_hooks
+    originals = [(function, "apply", function.__dict__["apply"])]  # the classmethod itself, put back as it was
+    originals += [(tensor, name, getattr(tensor, name)) for name in _TENSOR_HOOKS]
+    originals.append((saved, "__enter__", saved.__enter__))
+
+    def apply(cls, *args, **kwargs):
+        if cls.__module__.partition(".")[0] != "fxopt":
+            raise AutogradExtension(
+                f"forward calls the custom autograd.Function {cls.__qualname__} (from {cls.__module__}): an exported "
+                f"graph would differentiate its forward instead of running its own backward")
+        return originals[0][2].__func__(cls, *args, **kwargs)
+
+    function.apply = classmethod(apply)
+    for name, why in _TENSOR_HOOKS.items():
+        setattr(tensor, name, _refused_from_users_code(getattr(tensor, name), f"forward calls Tensor.{name}: {why}"))
+    saved.__enter__ = _refused_from_users_code(saved.__enter__, "forward enters saved-tensor hooks: an exported graph "
+                                                                "would save its tensors without them")
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+_TENSOR_HOOKS = {
+    "register_hook": "an exported graph would run its backward without the hook",
+    "register_post_accumulate_grad_hook": "an exported graph would run its backward without the hook",
+    "retain_grad": "an exported graph would not keep the gradient",
+}
+
+
+def _refused_from_users_code(method, reason: str):
+    def refused(*args, **kwargs):
+        if caller_is_users():
+            raise AutogradExtension(reason)
+        return method(*args, **kwargs)
+
+    return refused
