@@ -18,6 +18,10 @@ mask (`ones(L, S).tril()` over its last two dimensions, broadcast over the other
 causal. The ops that only built the mask are erased. Any other mask, and a mask read from
 anything else (an `attention_mask` argument, the sequence length), is kept.
 
+Models whose attention adds a float bias (BEiT's relative positions) add the boolean mask to it,
+True as 1: under export every logit of a row is shifted by 1, which softmax ignores, and eager has the
+bias alone. Where the mask is a constant all True, the call gets the bias alone, as eager's.
+
 Models with grouped-query attention (Llama, Mistral, Qwen2) also choose their key and value by the
 mask: without one, eager passes SDPA the key and value heads as they are with `enable_gqa=True`
 (transformers' `use_gqa_in_sdpa`); with the mask export built, they are first copied once per query
@@ -49,6 +53,12 @@ def drop_constant_masks(gm: fx.GraphModule) -> int:
         mask = arguments.get("attn_mask")
         if not isinstance(mask, fx.Node) or arguments.get("is_causal") is not False:
             continue
+        bias = _bias_plus_all_true(mask, node)
+        if bias is not None:
+            _set_argument(node, arguments, "attn_mask", bias)
+            _erase_unused(mask)
+            changed += 1
+            continue
         kind = _constant_mask_kind(mask)
         if kind is None:
             continue
@@ -62,6 +72,19 @@ def drop_constant_masks(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return changed
+
+
+def _bias_plus_all_true(mask: fx.Node, sdpa: fx.Node) -> fx.Node | None:
+    """`bias` where `mask` is `bias + m`, read by `sdpa` alone, with `bias` floating point and `m` a constant all-True
+    boolean mask (module docstring); else None."""
+    if mask.target is not _aten.add.Tensor or len(mask.users) != 1 or len(mask.args) != 2 or mask.kwargs:
+        return None
+    for bias, other in (mask.args, mask.args[::-1]):
+        value = bias.meta.get("val") if isinstance(bias, fx.Node) else None
+        if (isinstance(value, torch.Tensor) and value.is_floating_point() and isinstance(other, fx.Node)
+                and _constant_mask_kind(other) == "all_true"):
+            return bias
+    return None
 
 
 def _share_key_value_heads(sdpa: fx.Node, arguments: dict) -> None:
