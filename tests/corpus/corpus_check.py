@@ -59,7 +59,7 @@ class CorpusResult:
         return len(self.report.get("specialized_graphs", [])) + len(self.report.get("guards", []))
 
 
-def run(model_name: str, variant: str, dtype=torch.float64) -> CorpusResult:
+def run(model_name: str, variant: str, dtype=torch.float64, tolerance: float = TOLERANCE) -> CorpusResult:
     mode, options = VARIANTS[variant]
     model, inputs = build(model_name, training=mode == "training", dtype=dtype)
     model, inputs = model.to(DEVICE), tuple(x.to(DEVICE) for x in inputs)
@@ -70,5 +70,5 @@ def run(model_name: str, variant: str, dtype=torch.float64) -> CorpusResult:
     training = mode == "training"
     reference = run_step(model, inputs, training).tensors
     got = run_step(optimized, inputs, training).tensors
-    worst, name, ok = max_difference(reference, got, TOLERANCE, TOLERANCE)
+    worst, name, ok = max_difference(reference, got, tolerance, tolerance)
     return CorpusResult(model_name, variant, worst, name, ok, optimized.fxopt_report.to_dict())
