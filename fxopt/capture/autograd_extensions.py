@@ -12,7 +12,8 @@ not an op, and the graph silently loses it:
 * saved-tensor hooks entered in the forward (`with torch.autograd.graph.save_on_cpu():` offloading).
 
 Within `refusing_autograd_extensions()` each of these, called from the model's code (not torch's or
-fxopt's; a Function: any not defined by fxopt), raises `AutogradExtension`, so capture refuses to
+fxopt's; a Function: any but fxopt's and a torch.library custom op's, which export keeps as the op with its
+registered backward), raises `AutogradExtension`, so capture refuses to
 export the module calling it; that module runs as written while its other children are captured
 (fxopt.capture). A Function that overrides `apply` itself is not seen.
 """
@@ -31,15 +32,15 @@ class AutogradExtension(Exception):
 
 @contextlib.contextmanager
 def refusing_autograd_extensions():
-    """Within: custom Functions' `apply`, and tensor and saved-tensor hooks from the model's code, raise
-    AutogradExtension (module docstring)."""
+    """Within: custom Functions' `apply` (but _KEPT_FUNCTIONS'), and tensor and saved-tensor hooks from the model's
+    code, raise AutogradExtension (module docstring)."""
     function, tensor, saved = torch.autograd.Function, torch.Tensor, torch.autograd.graph.saved_tensors_hooks
     originals = [(function, "apply", function.__dict__["apply"])]  # the classmethod itself, put back as it was
     originals += [(tensor, name, getattr(tensor, name)) for name in _TENSOR_HOOKS]
     originals.append((saved, "__enter__", saved.__enter__))
 
     def apply(cls, *args, **kwargs):
-        if cls.__module__.partition(".")[0] != "fxopt":
+        if not cls.__module__.startswith(_KEPT_FUNCTIONS):
             raise AutogradExtension(
                 f"forward calls the custom autograd.Function {cls.__qualname__} (from {cls.__module__}): an exported "
                 f"graph would differentiate its forward instead of running its own backward")
@@ -56,6 +57,10 @@ def refusing_autograd_extensions():
         for owner, name, original in originals:
             setattr(owner, name, original)
 
+
+# fxopt's own, and the Function torch.library makes for a custom op's registered autograd (export keeps the op
+# itself, whose backward is that registration)
+_KEPT_FUNCTIONS = ("fxopt.", "torch._library.")
 
 _TENSOR_HOOKS = {
     "register_hook": "an exported graph would run its backward without the hook",
