@@ -768,6 +768,7 @@ def test_hooks_a_forward_sets_on_autograd_are_kept(kind):
     assert set(opaque) == {"", "1"} and ("hook" in opaque["1"] or "retain_grad" in opaque["1"])
     assert optimized.fxopt_report.graphs == ["0"]
     assert_same_step(model, optimized, (x,), training=True, rtol=0, atol=0)
+    assert "retain_grad" not in vars(torch.Tensor)  # inherited from TensorBase: torch's classes left as they were
 
 
 class _AccumulatesIntoAFreshTensor(nn.Module):

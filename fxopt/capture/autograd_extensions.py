@@ -35,16 +35,17 @@ def refusing_autograd_extensions():
     """Within: custom Functions' `apply` (but _KEPT_FUNCTIONS'), and tensor and saved-tensor hooks from the model's
     code, raise AutogradExtension (module docstring)."""
     function, tensor, saved = torch.autograd.Function, torch.Tensor, torch.autograd.graph.saved_tensors_hooks
-    originals = [(function, "apply", function.__dict__["apply"])]  # the classmethod itself, put back as it was
-    originals += [(tensor, name, getattr(tensor, name)) for name in _TENSOR_HOOKS]
-    originals.append((saved, "__enter__", saved.__enter__))
+    # each class's own entry (the classmethod itself for `apply`), or None where it inherits the method
+    originals = [(owner, name, vars(owner).get(name)) for owner, names in
+                 ((function, ["apply"]), (tensor, list(_TENSOR_HOOKS)), (saved, ["__enter__"])) for name in names]
+    plain_apply = function.__dict__["apply"].__func__
 
     def apply(cls, *args, **kwargs):
         if not cls.__module__.startswith(_KEPT_FUNCTIONS):
             raise AutogradExtension(
                 f"forward calls the custom autograd.Function {cls.__qualname__} (from {cls.__module__}): an exported "
                 f"graph would differentiate its forward instead of running its own backward")
-        return originals[0][2].__func__(cls, *args, **kwargs)
+        return plain_apply(cls, *args, **kwargs)
 
     function.apply = classmethod(apply)
     for name, why in _TENSOR_HOOKS.items():
@@ -55,7 +56,10 @@ def refusing_autograd_extensions():
         yield
     finally:
         for owner, name, original in originals:
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
 
 # fxopt's own, and the Function torch.library makes for a custom op's registered autograd (export keeps the op
