@@ -53,7 +53,7 @@ def drop_constant_masks(gm: fx.GraphModule) -> int:
         mask = arguments.get("attn_mask")
         if not isinstance(mask, fx.Node) or arguments.get("is_causal") is not False:
             continue
-        bias = _bias_plus_all_true(mask, node)
+        bias = _bias_plus_all_true(mask)
         if bias is not None:
             _set_argument(node, arguments, "attn_mask", bias)
             _erase_unused(mask)
@@ -74,9 +74,9 @@ def drop_constant_masks(gm: fx.GraphModule) -> int:
     return changed
 
 
-def _bias_plus_all_true(mask: fx.Node, sdpa: fx.Node) -> fx.Node | None:
-    """`bias` where `mask` is `bias + m`, read by `sdpa` alone, with `bias` floating point and `m` a constant all-True
-    boolean mask (module docstring); else None."""
+def _bias_plus_all_true(mask: fx.Node) -> fx.Node | None:
+    """`bias` where `mask` is `bias + m`, read by its SDPA call alone, with `bias` floating point and `m` a constant
+    all-True boolean mask (module docstring); else None."""
     if mask.target is not _aten.add.Tensor or len(mask.users) != 1 or len(mask.args) != 2 or mask.kwargs:
         return None
     for bias, other in (mask.args, mask.args[::-1]):

@@ -70,9 +70,9 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
     except TypeError as e:  # the call does not bind to forward's signature
         return f"{type(e).__name__}: {e}"
     try:
-        with preserved_state(module, (args, kwargs), parameters=False), _torch_private.refuse_user_checkpoint(), \
-                traceable_cumulative_batchnorm(module), _torch_private.quiet_export_logs(), refusing_autograd_extensions(), \
-                recording_reads() as reads, recording_writes(module) as writes:
+        with preserved_state(module, (args, kwargs), parameters=False), _torch_private.quiet_export_logs(), \
+                _torch_private.refuse_user_checkpoint(), refusing_autograd_extensions(), \
+                traceable_cumulative_batchnorm(module), recording_reads() as reads, recording_writes(module) as writes:
             host_rng = HostRandomState()
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
             drawn = host_rng.drawn()  # before preserved_state puts the generators back
