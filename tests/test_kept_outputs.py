@@ -88,6 +88,28 @@ def test_step_is_bit_exact_in_float32(kind, channels_last):
     assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == []
 
 
+def _backward_nodes(out: torch.Tensor) -> set[str]:
+    """The type names of the autograd nodes `out`'s backward runs."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
+def test_backward_is_aten_nodes_only():
+    """The region's first run records ATen's own nodes for its convolutions and replayed BatchNorms, no Python
+    Function: the backward runs no Python for them (only the recomputation does)."""
+    torch.manual_seed(0)
+    model, x = _Convolutions(LAYERS["conv2d"][0]).train(), torch.randn(2, 8, 10, 10)
+    opt = _one_selective_region(model, x)
+    nodes = _backward_nodes(opt(x.requires_grad_()))
+    assert {"ConvolutionBackward0", "NativeBatchNormBackward0"} <= nodes
+    assert [n for n in nodes if n.endswith("Backward") and not n.endswith("0Backward")] == []  # a Function's node
+
+
 def test_autocast_matches_eager():
     """Called under bfloat16 autocast, the region's convolutions run as the model's did (autocast casts their inputs),
     so two steps give eager's outputs, gradients and statistics bit for bit."""

@@ -55,7 +55,9 @@ class KeptStatistics(NamedTuple):
 
     @classmethod
     def of(cls, weight: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor) -> KeptStatistics:
-        return cls(mean, invstd, invstd if weight is None else weight * invstd, torch.ones_like(mean))
+        """Made outside autograd (a region's first run records the BatchNorm's own node only)."""
+        mean, invstd = mean.detach(), invstd.detach()
+        return cls(mean, invstd, invstd if weight is None else weight.detach() * invstd, torch.ones_like(mean))
 
 
 def replay(x: torch.Tensor, bias: torch.Tensor | None, kept: KeptStatistics) -> torch.Tensor:

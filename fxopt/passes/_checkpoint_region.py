@@ -43,7 +43,7 @@ from ..analysis.kept_outputs import ConvolutionCall, ProductCall, outputs_kept_b
 from ..graph_functions import graph_function, importable_name
 from ..op_names import call_arguments
 from ._kept_outputs import convolution_once, product_once
-from ._region_run import RegionRun
+from ._region_run import RegionRun, recomputed_as_saved
 
 
 def _save_counted_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -66,29 +66,18 @@ def _statistics_this_run_updates(running_mean, running_var, run: RegionRun) -> t
     return run.scratch[id(running_mean)]
 
 
-class _BatchNormReplayingStatistics(torch.autograd.Function):
-    """A train-mode BatchNorm whose recomputation reuses its first run's batch statistics (kept in the run's
-    scratch under `key`). Its backward is ATen's own train-mode backward over the same saved tensors."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, key, run: RegionRun):
-        if run.first:
-            out, mean, invstd = torch.ops.aten.native_batch_norm(x, weight, bias, running_mean, running_var, True,
-                                                                 momentum, eps)
-            run.scratch[key] = kept = batch_norm_replay.KeptStatistics.of(weight, mean, invstd)
-        else:
-            kept = run.scratch[key]
-            out = batch_norm_replay.replay(x, bias, kept)
-        ctx.save_for_backward(x, weight, kept.mean, kept.invstd)
-        ctx.eps = eps
+def _batch_norm_replaying_statistics(x, weight, bias, running_mean, running_var, momentum, eps, key: str,
+                                     run: RegionRun):
+    """A train-mode BatchNorm whose recomputation maps `x` with its first run's batch statistics (kept in the run's
+    scratch under `key`). The first run is ATen's own, whose node does the backward."""
+    if run.first:
+        out, mean, invstd = torch.ops.aten.native_batch_norm(x, weight, bias, running_mean, running_var, True,
+                                                             momentum, eps)
+        run.scratch[key] = batch_norm_replay.KeptStatistics.of(weight, mean, invstd)
         return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, mean, invstd = ctx.saved_tensors
-        grads = torch.ops.aten.native_batch_norm_backward(grad, x, weight, None, None, mean, invstd, True, ctx.eps,
-                                                          list(ctx.needs_input_grad[:3]))
-        return *grads, None, None, None, None, None, None
+    kept = run.scratch[key]
+    return recomputed_as_saved(lambda: batch_norm_replay.replay(x, bias, kept),  # as NativeBatchNormBackward0 saved
+                               (x, running_mean, running_var, weight, kept.mean, kept.invstd))
 
 
 @graph_function(name="batch_norm", updates_stats=True)
@@ -96,7 +85,7 @@ def batch_norm_once(x, running_mean, running_var, weight, bias, training, moment
     """`F.batch_norm` / `aten.batch_norm` in a region (`key`: its node's name), running statistics updated on the
     first run only (module docstring)."""
     if training and batch_norm_replay.replays_statistics(x, weight, bias):
-        return _BatchNormReplayingStatistics.apply(x, weight, bias, running_mean, running_var, momentum, eps, key, run)
+        return _batch_norm_replaying_statistics(x, weight, bias, running_mean, running_var, momentum, eps, key, run)
     if training and running_mean is not None:
         running_mean, running_var = _statistics_this_run_updates(running_mean, running_var, run)
     return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)

@@ -1,15 +1,16 @@
 """Ops of a selective region that keep their own outputs (fxopt.analysis.kept_outputs says which).
 
-Each runs as an autograd Function: the region's first run computes the op and keeps its output (RegionRun), a
-recomputation hands that output back instead of computing it, and both save what autograd's own node for the op
-saves (the inputs; a product's operands in the form ATen's path through it gives them, copies where it copies), so
-checkpoint sees the same saved tensors on both runs and the memory model's account of them holds. The Function's
-backward makes the calls that node makes over them:
+The region's first run computes the op and keeps its output (RegionRun); a recomputation hands that output back
+instead of computing it, saving what the first run saved, so checkpoint sees the same saved tensors on both runs and
+the memory model's account of them holds.
 
-  convolution   ATen's `convolution_backward`
-  products      the `mm` / `bmm` of the matmul formulas, each operand in the layout ATen's path through the op
-                gives it (`linear` flattens its input to a matrix, `matmul` of batched operands expands and folds
-                them to `bmm`'s three dims), the bias's gradient summed as autograd sums a broadcast one
+  convolution   runs as ATen's own op on the first run, whose node saves its input and weight and does the
+                backward; a recomputation is `recomputed_as_saved` (fxopt.passes._region_run)
+  products      run as an autograd Function on both runs, saving the operands in the form ATen's path through the
+                op gives them (`linear` flattens its input to a matrix, `matmul` of batched operands expands and
+                folds them to `bmm`'s three dims), copies where it copies; its backward makes the `mm` / `bmm` calls
+                of the matmul formulas over them, the bias's gradient summed as autograd sums a broadcast one
+                (which operands ATen's path saves depends on which need gradients: the Function saves them all)
 
 so gradients come out with the same bits as without the region (tests/test_kept_outputs.py checks each path).
 Under autocast an op runs as its node did, recomputed with the rest: autocast casts the inputs of the op the graph
@@ -21,27 +22,9 @@ import torch
 
 from ..analysis.kept_outputs import ConvolutionArguments
 from ..graph_functions import graph_function, import_by_name
-from ._region_run import RegionRun, output_once
+from ._region_run import RegionRun, output_once, recomputed_as_saved, take_output
 
 aten = torch.ops.aten
-
-
-class _ConvolutionKeepingOutput(torch.autograd.Function):
-    """A convolution keeping its output (module docstring); backward: ATen's convolution_backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, arguments: ConvolutionArguments, key: str, run: RegionRun):
-        out = output_once(run, key, lambda: aten.convolution(x, weight, bias, *arguments))
-        ctx.save_for_backward(x, weight)
-        ctx.arguments, ctx.bias_sizes = arguments, None if bias is None else list(bias.shape)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grads = aten.convolution_backward(grad, x, weight, ctx.bias_sizes, *ctx.arguments,
-                                          list(ctx.needs_input_grad[:3]))
-        return *grads, None, None, None
 
 
 def _mm_grad_of_first(grad, mat1, mat2):
@@ -185,7 +168,9 @@ def convolution_once(x, weight, bias, arguments: ConvolutionArguments, key: str,
     name); under autocast as the node did (`original`: its target or the target's importable name, args, kwargs)."""
     if torch.is_autocast_enabled(x.device.type):
         return _as_written(original)
-    return _ConvolutionKeepingOutput.apply(x, weight, bias, arguments, key, run)
+    if run.first:  # ATen's node saves (x, weight) and does the backward
+        return output_once(run, key, lambda: aten.convolution(x, weight, bias, *arguments))
+    return recomputed_as_saved(lambda: take_output(run, key), (x, weight))
 
 
 @graph_function(name="matmul")

@@ -3,6 +3,12 @@
 A region (fxopt.passes._checkpoint_region) whose body runs BatchNorm, replays dropout or keeps op outputs itself
 calls the body with a `RegionRun` first: the forward (`first`) or a recomputation. What the first run keeps for the
 recomputation lives in `scratch`, one dict per call of the region.
+
+Such an op runs as ATen's own op on the first run, whose autograd node then does the backward, and on a
+recomputation as `recomputed_as_saved`: its output from what the first run kept, saving the tensors that node
+saved, in its order, for checkpoint hands a node on unpacking the tensors the recomputation saved in the same
+places (non-reentrant checkpoint discards the recomputation's own graph). No Python runs in the forward's or the
+backward's autograd graph for it, and its gradients are ATen's by construction.
 """
 from __future__ import annotations
 
@@ -21,16 +27,35 @@ class RegionRun:
     scratch: dict
 
 
+class _RecomputedAsSaved(torch.autograd.Function):
+    """On a recomputation: `produce()`, saving `saved` (module docstring); its graph is never run backward."""
+
+    @staticmethod
+    def forward(ctx, produce, *saved):
+        ctx.save_for_backward(*saved)
+        return produce()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("fxopt: backward through a checkpointed region's recomputation, which checkpoint discards")
+
+
+def recomputed_as_saved(produce, saved: tuple) -> torch.Tensor:
+    """On a recomputation: the op's output `produce()` gives, saving `saved`, the tensors (None: no tensor) ATen's node
+    for the op saved on the first run, in that order (module docstring)."""
+    return _RecomputedAsSaved.apply(produce, *(t for t in saved if t is not None))
+
+
 def output_once(run: RegionRun, key: str, compute) -> torch.Tensor:
     """The output of the op named `key`: `compute()` on the first run, kept for the recomputation, which takes it."""
     if not run.first:
-        return _take_output(run, key)
+        return take_output(run, key)
     out = compute()
     run.scratch[key] = (out.detach(), out._version)
     return out
 
 
-def _take_output(run: RegionRun, key: str) -> torch.Tensor:
+def take_output(run: RegionRun, key: str) -> torch.Tensor:
     """On a recomputation: the output the first run kept for `key`, taken, not read (from here on the recomputation's
     graph holds it only as long as it needs it); a clear error where a second backward or an in-place write makes
     it unusable."""
