@@ -16,7 +16,7 @@ from test_checkpoint_activations import deep_mlp
 
 def _every_final(finals, profile, budget, objective):
     """The best final plan found by estimating every label (what `_best_final` avoids)."""
-    full = [(label.cost, estimate(profile, label.regions).peak, label.regions) for label in finals]
+    full = [(cost, estimate(profile, regions).peak, regions) for _, cost, _, regions in finals]
     fits = [f for f in full if f[1] <= budget]
     if not fits:
         return None
@@ -57,7 +57,7 @@ def test_final_check_stops_at_labels_tied_with_the_best(objective, monkeypatch):
         return Estimate(0, regions[0], regions[0], 0)
 
     monkeypatch.setattr(_checkpoint_plan, "estimate", whole_estimate)
-    tied = [_checkpoint_plan._Label(0, 5 if objective == "cost" else i, 7 if objective == "peak" else i, (7 if
+    tied = [(0, 5 if objective == "cost" else i, 7 if objective == "peak" else i, (7 if
             objective == "peak" else i,)) for i in range(1000)]
     best = _checkpoint_plan._best_final(tied, None, budget=10_000, objective=objective)
     assert best == ((7,) if objective == "peak" else (0,)) and len(estimated) == 1

@@ -34,7 +34,6 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from ..analysis.memory import Region, StepProfile, estimate
 
@@ -43,16 +42,13 @@ MAX_LABELS = 48  # bands of bytes kept per position and held tensors: bounds the
 MAX_BOUNDARIES = 48  # region starts/stops considered: the search grows with their square, not the depth's
 
 
-class _Label(NamedTuple):  # a tuple: the search makes one per label and segment
-    kept: int
-    cost: int
-    peak: int
-    regions: tuple[Region, ...]
-
-
+# A label is a plain tuple (bytes kept, recompute cost, peak so far, regions): the search makes one per label and
+# segment, ~250,000 on HF MobileNetV2, and a tuple display is 3x faster to make than a NamedTuple (even by
+# tuple.__new__), which made a plan take 0.5 s there, half of it making labels.
+_Label = tuple[int, int, int, tuple[Region, ...]]
 _KEPT = operator.itemgetter(0)
-_new_label = tuple.__new__  # _new_label(_Label, fields): a NamedTuple's own __new__ is a Python call, and the
-# search makes ~300,000 labels on HF MobileNetV2 (`extend` 40% faster so)
+_BY_COST = operator.itemgetter(1, 2)  # (cost, peak)
+_BY_PEAK = operator.itemgetter(2, 1)  # (peak, cost)
 
 
 def _prune(labels: list[_Label], objective: str, most_kept: float) -> list[_Label]:
@@ -63,19 +59,20 @@ def _prune(labels: list[_Label], objective: str, most_kept: float) -> list[_Labe
     where many plans keep similar bytes: on small MLPs and transformer blocks, 12 labels so spread found
     plans 41% costlier than the optimum on average, 48 so spread 3.0%, 48 by bytes 0.4%; on three
     transformer blocks at budgets 0.3-0.7, each band's best alone missed the optimum at 0.65 by 54%.)"""
+    score_of = _BY_COST if objective == "cost" else _BY_PEAK
     best, kept = None, []  # sorted by (kept, cost, peak) as tuples, or (kept, peak, cost)
     for label in (sorted(labels) if objective == "cost" else sorted(labels, key=operator.itemgetter(0, 2, 1))):
-        if label.kept > most_kept:
+        if label[0] > most_kept:
             break
-        score = (label.cost, label.peak) if objective == "cost" else (label.peak, label.cost)
+        score = score_of(label)
         if best is None or score < best:
             best = score
             kept.append(label)
     if len(kept) > MAX_LABELS:
-        least, span = kept[0].kept, max(1, kept[-1].kept - kept[0].kept)
+        least, span = kept[0][0], max(1, kept[-1][0] - kept[0][0])
         bands: dict[int, list[_Label]] = {}
         for label in kept[1:]:
-            bands.setdefault((label.kept - least) * (MAX_LABELS - 1) // span, []).append(label)
+            bands.setdefault((label[0] - least) * (MAX_LABELS - 1) // span, []).append(label)
         kept = [kept[0], *(l for band in bands.values() for l in dict.fromkeys((band[0], band[-1])))]
     return kept
 
@@ -128,7 +125,7 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
     for p in range(n - 1, -1, -1):
         refused_from[p] = p if not checkpointable[p] else refused_from[p + 1]
     frontier: list[dict[frozenset, list[_Label]]] = [dict() for _ in range(n + 1)]
-    frontier[0][frozenset()] = [_Label(0, 0, 0, ())]
+    frontier[0][frozenset()] = [(0, 0, 0, ())]
     variants_cache: dict[tuple[int, int], list[Region]] = {}
     floor = _backward_floor(profile)
 
@@ -152,8 +149,8 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
         region = (segment,) if isinstance(segment, Region) else ()
         fitting = bisect.bisect_right(labels, budget - above - added, key=_KEPT)  # in order of bytes kept (_prune)
         # as segment_effect: kept bytes grow by `added`, the segment peaks `above` them
-        reached = [_new_label(_Label, (kept + added, spent + cost, max(peak, kept + added + above), regions + region))
-                   for kept, spent, peak, regions in labels[:fitting]]
+        reached = [(now, spent + cost, peak if peak > (top := now + above) else top, regions + region)
+                   for kept, spent, peak, regions in labels[:fitting] for now in (kept + added,)]
         if reached:
             frontier[stop].setdefault(still_read, []).extend(reached)
 
@@ -167,7 +164,7 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
             held_bytes = profile.bytes_of(held)
             for stop in stops:
                 room = budget + held_bytes - profile.region_recompute_bytes(Region(i, stop))
-                labels = [label for label in labels if label.kept <= room]  # the others: recomputing it alone
+                labels = [label for label in labels if label[0] <= room]  # the others: recomputing it alone
                 if not labels:  # would exceed the budget, and longer regions more
                     break
                 for region in variants(i, stop):
@@ -183,15 +180,15 @@ def _best_final(finals: list[_Label], profile: StepProfile, budget: float, objec
     (O(steps) each) is made only while one may still win. (Stopping on the first of the two alone estimated
     every label tied with the best on it: HF MobileViT's lowest-peak plan, 30,641 labels of one walked peak,
     106 s.)"""
-    order = (lambda l: (l.cost, l.peak)) if objective == "cost" else (lambda l: (l.peak, l.cost))
+    order = _BY_COST if objective == "cost" else _BY_PEAK
     best = None
-    for label in sorted(finals, key=order):
-        if best is not None and order(label) >= order(best):
+    for kept, cost, peak, regions in sorted(finals, key=order):
+        if best is not None and order((kept, cost, peak)) >= order(best):
             break  # sorted by a lower bound of the whole order: no later label can beat the best
-        whole = label._replace(peak=estimate(profile, label.regions).peak)
-        if whole.peak <= budget and (best is None or order(whole) < order(best)):
+        whole = (kept, cost, estimate(profile, regions).peak, regions)
+        if whole[2] <= budget and (best is None or order(whole) < order(best)):
             best = whole
-    return None if best is None else best.regions
+    return None if best is None else best[3]
 
 
 def untimed(profile: StepProfile) -> StepProfile:
