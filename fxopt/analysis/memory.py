@@ -233,6 +233,7 @@ class StepProfile:
     def __post_init__(self):
         self._regions: dict = {}  # Region -> (keeps, recomputes, bytes recomputed)
         self._spans: dict = {}  # (start, stop) -> _span_sets
+        self._holders: dict = {}  # (start, stop) -> _span_holders
         self._deltas: dict = {}  # (held, segment) -> segment_delta
         self._aboves: dict = {}  # (region, the held tensors it saves or makes) -> _region_above
         self._cost_prefix = list(itertools.accumulate((s.recompute_cost for s in self.steps), initial=0))
@@ -312,19 +313,33 @@ class StepProfile:
         (profiler_allocations, each run alone; a layer norm's per-row partial sums, under 1% of its output,
         aside); a temporary the size of each op's output over-predicted regions over residual MLP blocks
         by 2.6-4.7%."""
-        first_holder: dict = {}
-        for q in range(r.start, r.stop):
-            for k in self.steps[q].saved:
-                if k not in counted:
-                    first_holder.setdefault(k, q)
-        freed_at = [0] * (r.stop - r.start)
-        for k, q in first_holder.items():
-            freed_at[q - r.start] += self.nbytes[k]
-        run = self.recomputed_steps(r)  # where it stops, what it made that a step it did not run would read is alive
-        pending = {k for q in run for k in self.steps[q].creates if self.last_read[k] >= run.stop} - counted
+        first_holder, freed_by_all, pending = self._span_holders(r)
+        freed_at = freed_by_all  # what each step's backward frees, of what it first holds, less what is counted
+        if excluded := counted & first_holder.keys():
+            freed_at = list(freed_by_all)
+            for k in excluded:
+                freed_at[first_holder[k] - r.start] -= self.nbytes[k]
         alive = list(itertools.accumulate(freed_at))  # alive at q's backward: what steps at or before q still hold,
         peak = max(map(operator.add, alive, self._backward_above[r.start:r.stop]))  # + gradients and temporary
-        return max(peak, alive[-1] + self.bytes_of(pending - first_holder.keys()) + self.grad_live[r.stop - 1])
+        return max(peak, alive[-1] + self.bytes_of(pending - counted) + self.grad_live[r.stop - 1])
+
+    def _span_holders(self, r: Region) -> tuple[dict, list[int], frozenset]:
+        """For _region_backward_peak, of the steps [r.start, r.stop), whatever is counted: the first step saving
+        each tensor they save; the bytes each step's backward frees so, by position in the span; and what the
+        recomputation (recomputed_steps) makes for a step it does not run, that no step saves."""
+        if (r.start, r.stop) not in self._holders:
+            first_holder: dict = {}
+            for q in range(r.start, r.stop):
+                for k in self.steps[q].saved:
+                    first_holder.setdefault(k, q)
+            freed_at = [0] * (r.stop - r.start)
+            for k, q in first_holder.items():
+                freed_at[q - r.start] += self.nbytes[k]
+            run = self.recomputed_steps(r)
+            pending = frozenset(k for q in run for k in self.steps[q].creates if self.last_read[k] >= run.stop
+                                and k not in first_holder)
+            self._holders[r.start, r.stop] = first_holder, freed_at, pending
+        return self._holders[r.start, r.stop]
 
     def repriced(self, steps: list[Step]) -> StepProfile:
         """The same memory profile with `steps` priced otherwise (no region overhead): it shares the
@@ -332,6 +347,7 @@ class StepProfile:
         other = StepProfile(steps, self.nbytes, self.last_read, self.grad_live, rng_state=self.rng_state,
                             loss_outputs=self.loss_outputs)
         other._regions, other._deltas, other._spans = self._regions, self._deltas, self._spans
+        other._holders = self._holders
         other._aboves = self._aboves
         return other
 
