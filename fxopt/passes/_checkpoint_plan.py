@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
-import gc
 import itertools
 import math
 import operator
@@ -113,25 +111,6 @@ def region_boundaries(profile: StepProfile) -> frozenset[int]:
     return frozenset(chosen)
 
 
-def _cyclic_gc_paused(search: Callable) -> Callable:
-    """`search` run with Python's cyclic garbage collector paused. The search makes hundreds of thousands of labels,
-    tuples that form no cycle, and each burst of allocations set off a collection walking every object the process
-    holds (a captured model's graphs: ~500,000): on HF MobileNetV2 at budget 0.5, one plan took 1.27 s so, 0.22 s
-    paused (measured after optimize(), in the same process)."""
-    @functools.wraps(search)
-    def paused(*args, **kwargs):
-        if not gc.isenabled():
-            return search(*args, **kwargs)
-        gc.disable()
-        try:
-            return search(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return paused
-
-
-@_cyclic_gc_paused
 def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[bool],
                  objective: str = "cost", allowed: Callable[[Region], bool] = lambda region: True
                  ) -> tuple[Region, ...] | None:
