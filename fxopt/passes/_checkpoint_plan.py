@@ -43,8 +43,8 @@ MAX_BOUNDARIES = 48  # region starts/stops considered: the search grows with the
 
 
 # A label is a plain tuple (bytes kept, recompute cost, peak so far, regions): the search makes one per label and
-# segment, ~250,000 on HF MobileNetV2, and a tuple display is 3x faster to make than a NamedTuple (even by
-# tuple.__new__), which made a plan take 0.5 s there, half of it making labels.
+# segment, ~250,000 on HF MobileNetV2, and a tuple display is made 3x faster than a NamedTuple, even one made by
+# tuple.__new__ (extending 48 labels: 6.4 us against 19 us).
 _Label = tuple[int, int, int, tuple[Region, ...]]
 _KEPT = operator.itemgetter(0)
 _BY_COST = operator.itemgetter(1, 2)  # (cost, peak)
