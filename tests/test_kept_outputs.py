@@ -60,9 +60,9 @@ def _region(opt) -> CheckpointedRegion:
     return region
 
 
-def _steps(model: nn.Module, x: torch.Tensor, n: int = 2) -> dict:
+def _steps(model: nn.Module, x: torch.Tensor, n: int = 2, input_grad: bool = True) -> dict:
     """Output, input and parameter gradients and buffers after `n` steps on a copy of `model`."""
-    model, x = copy.deepcopy(model), x.clone().requires_grad_()
+    model, x = copy.deepcopy(model), x.clone().requires_grad_(input_grad)
     for _ in range(n):
         out = model(x)
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
@@ -108,6 +108,19 @@ def test_backward_is_aten_nodes_only():
     nodes = _backward_nodes(opt(x.requires_grad_()))
     assert {"ConvolutionBackward0", "NativeBatchNormBackward0"} <= nodes
     assert [n for n in nodes if n.endswith("Backward") and not n.endswith("0Backward")] == []  # a Function's node
+
+
+@pytest.mark.parametrize("trainable", ["first.bias", "norms.0.bias"])
+def test_only_a_bias_trainable_is_bit_exact(trainable):
+    """With the input and every parameter but one bias frozen, autograd records the op whose bias it is and so saves
+    its tensors: the recomputation saves them too (checkpoint failed on the count before), and the step is eager's."""
+    torch.manual_seed(0)
+    model, x = _Convolutions(LAYERS["conv2d"][0]).train(), torch.randn(2, 8, 10, 10)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name == trainable)
+    opt = _one_selective_region(model, x)
+    expected, got = _steps(model, x, input_grad=False), _steps(opt, x, input_grad=False)
+    assert [k for k, v in expected.items() if v is not None and not torch.equal(got[k], v)] == []
 
 
 def test_autocast_matches_eager():

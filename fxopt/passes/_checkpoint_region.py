@@ -76,8 +76,8 @@ def _batch_norm_replaying_statistics(x, weight, bias, running_mean, running_var,
         run.scratch[key] = batch_norm_replay.KeptStatistics.of(weight, mean, invstd)
         return out
     kept = run.scratch[key]
-    return recomputed_as_saved(lambda: batch_norm_replay.replay(x, bias, kept),  # as NativeBatchNormBackward0 saved
-                               (x, running_mean, running_var, weight, kept.mean, kept.invstd))
+    return recomputed_as_saved(lambda: batch_norm_replay.replay(x, bias, kept), (x, weight, bias),
+                               saved=(x, running_mean, running_var, weight, kept.mean, kept.invstd))  # as ATen's node
 
 
 @graph_function(name="batch_norm", updates_stats=True)

@@ -170,7 +170,7 @@ def convolution_once(x, weight, bias, arguments: ConvolutionArguments, key: str,
         return _as_written(original)
     if run.first:  # ATen's node saves (x, weight) and does the backward
         return output_once(run, key, lambda: aten.convolution(x, weight, bias, *arguments))
-    return recomputed_as_saved(lambda: take_output(run, key), (x, weight))
+    return recomputed_as_saved(lambda: take_output(run, key), (x, weight, bias), saved=(x, weight))
 
 
 @graph_function(name="matmul")

@@ -31,11 +31,12 @@ class RegionRun:
 
 
 class _RecomputedAsSaved(torch.autograd.Function):
-    """On a recomputation: `produce()`, saving `saved` (module docstring); its graph is never run backward."""
+    """On a recomputation: `produce()`, saving the first `count` tensors (module docstring); its graph is never run
+    backward."""
 
     @staticmethod
-    def forward(ctx, produce, *saved):
-        ctx.save_for_backward(*saved)
+    def forward(ctx, produce, count: int, *tensors):
+        ctx.save_for_backward(*tensors[:count])
         return produce()
 
     @staticmethod
@@ -43,10 +44,13 @@ class _RecomputedAsSaved(torch.autograd.Function):
         raise RuntimeError("fxopt: backward through a checkpointed region's recomputation, which checkpoint discards")
 
 
-def recomputed_as_saved(produce, saved: tuple) -> torch.Tensor:
-    """On a recomputation: the op's output `produce()` gives, saving `saved`, the tensors (None: no tensor) ATen's node
-    for the op saved on the first run, in that order (module docstring)."""
-    return _RecomputedAsSaved.apply(produce, *(t for t in saved if t is not None))
+def recomputed_as_saved(produce, inputs: tuple, saved: tuple) -> torch.Tensor:
+    """On a recomputation: the op's output `produce()` gives, saving `saved`, the tensors ATen's node for the op saved on
+    the first run, in that order (module docstring). `inputs`, the op's tensor inputs, make autograd record (and so
+    save) exactly when it recorded the op: when one of them requires a gradient (a BatchNorm whose bias alone
+    does). None stands for no tensor in either."""
+    saved = tuple(t for t in saved if t is not None)
+    return _RecomputedAsSaved.apply(produce, len(saved), *saved, *(t for t in inputs if t is not None))
 
 
 def output_once(run: RegionRun, key: str, compute) -> torch.Tensor:
