@@ -5,11 +5,11 @@ selective checkpoint (`create_selective_checkpoint_contexts`) does that by sendi
 and of its recomputation through a Python dispatch mode, which on CPU costs more than many of a model's ops
 themselves (fxopt.analysis.region_overhead measures it per op). When every op a region keeps is a convolution or a
 matrix product (`linear`, `addmm`, `mm`, `bmm`, a `matmul` of two batched operands), the region keeps them itself
-instead: each runs as an autograd Function whose first run keeps its output and whose recomputation hands that
-output back (fxopt.passes._kept_outputs). Its backward makes the calls autograd's own nodes make for that op, over
-the same inputs (`convolution_backward`; the `mm`/`bmm` products of the matmul formulas, in the operand layouts
-ATen's path through the op gives them), so gradients come out with the same bits. The region's other ops run at
-full speed under a plain checkpoint.
+instead: its first run keeps each one's output and its recomputation hands that output back
+(fxopt.passes._kept_outputs). A convolution's first run is ATen's own, whose node does the backward; a product runs
+as an autograd Function whose backward makes the `mm`/`bmm` calls of the matmul formulas, in the operand layouts
+ATen's path through the op gives them. Either way gradients come out with the same bits. The region's other ops run
+at full speed under a plain checkpoint.
 
 `kept_convolution(node)` gives the operands and arguments of such a convolution (a batched one whose padding is
 numbers, not "same"/"valid"), or None; `kept_product(node)` the kind and operands of such a product, or None;
