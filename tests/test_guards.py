@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.nn.utils.prune
 
 import fxopt
@@ -424,6 +425,38 @@ def test_inference_result_back_in_eval_after_training_steps_uses_the_new_statist
             target.train()
         for seed in range(2):
             assert_same(step(reference, seed=seed), step(result, seed=seed))
+        for target in (result, reference):
+            target.eval()
+        assert_same(step(reference, backward=False), step(result, backward=False))
+
+
+class _FunctionalBatchNorm(nn.Module):
+    """A convolution, then a BatchNorm written as `F.batch_norm` over the module's own statistics: no batch counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.register_buffer("mean", torch.zeros(8))
+        self.register_buffer("var", torch.ones(8))
+
+    def forward(self, x):
+        return F.batch_norm(self.conv(x), self.mean, self.var, training=self.training, momentum=0.5)
+
+
+def test_functional_batch_norm_back_in_eval_after_training_steps_uses_the_new_statistics():
+    """Statistics ATen updates in place (no version bump) with no batch counter to guard: the fold is computed in the
+    graph, so eval() after training steps uses the new statistics rather than a fold of the old ones."""
+    torch.manual_seed(0)
+    model = _FunctionalBatchNorm().eval()
+    reference = copy.deepcopy(model)
+    result = optimize_quietly(model, X)
+    assert "folded" in result.fxopt_report.passes[0].stats
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each switch is announced
+        for target in (result, reference):
+            target.train()
+        for seed in range(2):
+            assert_same(step(reference, X * 3 + 1, seed=seed), step(result, X * 3 + 1, seed=seed))
         for target in (result, reference):
             target.eval()
         assert_same(step(reference, backward=False), step(result, backward=False))

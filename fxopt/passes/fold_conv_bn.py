@@ -45,7 +45,10 @@ as guards (`fxopt.guards`): the BN's module path in eval mode (TRAIN_MODE) and, 
 folded tensors are precomputed, each weight and statistic keeping its value (SAME_VALUE, also on
 the BN's `num_batches_tracked`: ATen updates the statistics in place without bumping their
 versions, the module's counter `add_(1)` does); the
-result re-optimizes or runs the original when one no longer holds, never a stale fold.
+result re-optimizes or runs the original when one no longer holds, never a stale fold. A BN with no
+such counter beside its statistics (`F.batch_norm` over a module's own buffers) is folded in the
+graph instead, from the statistics as they are at each call: no guard would see a train-mode step
+update them.
 """
 from __future__ import annotations
 
@@ -136,7 +139,10 @@ class FoldConvBN(Pass):
             if reason:
                 result.record("refused", site_name(node), reason, detail)
                 continue
-            precompute = ctx.mode == "inference" and ctx.guards_checked
+            # precomputed only where a guard sees the statistics change: ATen's train-mode update of them bumps no
+            # version, the module's batch counter is what moves (a functional BN without one: folded in the graph)
+            precompute = (ctx.mode == "inference" and ctx.guards_checked
+                          and _batch_counter(gm, bn.running_mean) is not None)
             self._record_guards(layer, bn, precompute, ctx)
             self._fold(gm, layer, bn, precompute)
             result.record("folded", site_name(node), detail=f"{site_name(layer.node)} + {site_name(node)}")
