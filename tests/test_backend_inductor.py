@@ -58,11 +58,27 @@ def test_frozen_parameters_changed_after_compiling_are_never_stale():
         assert_same({"output": model(x)}, {"output": compiled(x)})
         model.conv1.weight.mul_(1.5)
         model.bn1.running_var.add_(0.25)
-        with pytest.warns(UserWarning, match="parameter changed after torch.compile froze it"):
+        with pytest.warns(UserWarning, match="changed after torch.compile froze it"):
             got = compiled(x)
         assert_same({"output": model(x)}, {"output": got})
         model.bn1.weight = nn.Parameter(model.bn1.weight * -1)
         assert_same({"output": model(x)}, {"output": compiled(x)})
+
+
+def test_frozen_statistics_updated_by_eager_training_are_never_stale():
+    """Train-mode steps of the module itself, outside the compiled graph, update its BatchNorm statistics in place
+    without bumping their versions: the frozen graph sees the new values and falls back, with a warning."""
+    model = make("seed").eval()
+    compiled = torch.compile(model, backend=fxopt.backend())
+    x = example()
+    with torch.no_grad():
+        compiled(x)
+        model.train()
+        model(x * 3 + 1)
+        model.eval()
+        with pytest.warns(UserWarning, match="changed after torch.compile froze it"):
+            got = compiled(x)
+        assert_same({"output": model(x)}, {"output": got})
 
 
 def test_freeze_false_follows_parameters_without_recompiling():

@@ -26,7 +26,9 @@ Hand-off (`inner`):
   "inductor"   Inductor's compile_fx. In inference, parameter inputs become constants of the
                graph (Inductor freezing: the fold is constant-folded, weights pre-packed), and
                every call checks that each parameter input is the same tensor, with the same
-               storage (`p.data = t` replaces it) at the same version (in-place writes bump it);
+               storage (`p.data = t` replaces it) at the same version (in-place writes bump it),
+               and that BatchNorm running statistics keep their values (a train-mode step of the
+               module outside the graph updates them without bumping their versions);
                if one changed, the graph falls back, for good, to a non-frozen compile in which
                the fold is recomputed per call. Not detected: a write through `p.data`
                (`p.data.mul_(2)`), which bumps no version counter — Inductor's own freezing has
@@ -57,6 +59,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from ..analysis.ops import match_batch_norm
 from ..errors import FxoptError
 from ..model_copy import graph_module_copy
 from ..passes.base import INFERENCE, TRAINING, PassContext
@@ -153,6 +156,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
                                                for x in example_inputs)
     mode = TRAINING if training else INFERENCE
     constant_inputs = _torch_private.dynamo_parameter_placeholders(gm, example_inputs)
+    statistics = _batch_norm_statistics(gm)  # before the passes fold them away
     pass_options = options.pass_options(mode)
     pipeline = build_pipeline(mode, options.passes, pass_options, mode_per_graph=True)
     verifier = Verifier(gm, example_inputs, training, inputs_are_state=True) if options.verify else None
@@ -169,8 +173,15 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
     if options.inner == "aot_eager":
         return _torch_private.aot_eager_compile(gm, example_inputs)
     if not training and options.freeze and constant_inputs:
-        return FrozenInference(gm, example_inputs, constant_inputs)
+        return FrozenInference(gm, example_inputs, constant_inputs, statistics)
     return _torch_private.inductor_compile(gm, example_inputs)
+
+
+def _batch_norm_statistics(gm: fx.GraphModule) -> frozenset[str]:
+    """Names of the placeholders a BatchNorm of `gm` reads as running statistics."""
+    calls = (match_batch_norm(n) for n in gm.graph.nodes)
+    return frozenset(s.name for bn in calls if bn is not None for s in (bn.running_mean, bn.running_var)
+                     if isinstance(s, fx.Node) and s.op == "placeholder")
 
 
 def _deliver(report: Report, target, on_report) -> None:
@@ -190,18 +201,25 @@ class FrozenInference:
 
     Each call checks that every parameter input is the tensor seen at compile time, with the same
     storage (`p.data = t` swaps it without touching the version) at the same `_version` (bumped by
-    every in-place change: optimizer steps, `copy_`, `load_state_dict`). On a mismatch the frozen
-    code is never used again: the optimized graph is compiled without freezing (the fold then runs
-    on the current parameters each call) and a warning says so. A write through `p.data`
-    (`p.data.mul_(2)`) changes neither and is not detected, as with Inductor's own freezing.
+    every in-place change: optimizer steps, `copy_`, `load_state_dict`), and that BatchNorm running
+    statistics (`statistics`: their placeholders' names) keep their values: a train-mode BatchNorm run
+    outside this graph (the module's own steps) updates them in place without bumping their versions.
+    On a mismatch the frozen code is never used again: the optimized graph is compiled without freezing
+    (the fold then runs on the current parameters each call) and a warning says so. A write through
+    `p.data` (`p.data.mul_(2)`) into a parameter changes neither and is not detected, as with Inductor's
+    own freezing.
     """
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str]):
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str],
+                 statistics: frozenset[str] = frozenset()):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.constant_positions = [i for i, n in enumerate(placeholders) if n.name in constant_inputs]
         self.runtime_positions = [i for i, n in enumerate(placeholders) if n.name not in constant_inputs]
         self.constants = [example_inputs[i] for i in self.constant_positions]
         self.state = _frozen_state(self.constants)
+        self.statistics = [c for i, c in zip(self.constant_positions, self.constants)
+                           if placeholders[i].name in statistics]
+        self.statistics_values = _values(self.statistics)
         self.unfrozen_graph = graph_module_copy(gm)
         frozen_gm = _constants_as_attributes(gm, self.constant_positions, example_inputs)
         with torch.no_grad():
@@ -212,15 +230,21 @@ class FrozenInference:
     def __call__(self, *args):
         if self.unfrozen is None:
             constants = [args[i] for i in self.constant_positions]
-            if all(a is c for a, c in zip(constants, self.constants)) and _frozen_state(constants) == self.state:
+            if (all(a is c for a, c in zip(constants, self.constants)) and _frozen_state(constants) == self.state
+                    and torch.equal(_values(self.statistics), self.statistics_values)):
                 out = self.frozen(*[args[i] for i in self.runtime_positions])
                 self.state = _frozen_state(constants)  # the graph's own buffer updates are fine
                 return out
-            warnings.warn("fxopt: a parameter changed after torch.compile froze it; this graph now runs a "
-                          "non-frozen compile that recomputes the folded weights on every call", stacklevel=2)
+            warnings.warn("fxopt: a parameter or statistic changed after torch.compile froze it; this graph now "
+                          "runs a non-frozen compile that recomputes the folded weights on every call", stacklevel=2)
             self.unfrozen = _torch_private.inductor_compile(self.unfrozen_graph, list(args))
             self.frozen = None
         return self.unfrozen(*args)
+
+
+def _values(tensors: list) -> torch.Tensor:
+    """The values of `tensors`, flattened into one new tensor (one comparison checks them all)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
 
 def _frozen_state(tensors: list) -> tuple[list[int], list[int]]:
