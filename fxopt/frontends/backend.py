@@ -178,10 +178,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
 
 
 def _batch_norm_statistics(gm: fx.GraphModule) -> frozenset[str]:
-    """Names of the placeholders a BatchNorm of `gm` reads as running statistics."""
+    """Names of the placeholders an eval-mode BatchNorm of `gm` normalizes with (a train-mode one updates its own:
+    the graph's own writes, no change from outside)."""
     calls = (match_batch_norm(n) for n in gm.graph.nodes)
-    return frozenset(s.name for bn in calls if bn is not None for s in (bn.running_mean, bn.running_var)
-                     if isinstance(s, fx.Node) and s.op == "placeholder")
+    return frozenset(s.name for bn in calls if bn is not None and bn.uses_running_stats
+                     for s in (bn.running_mean, bn.running_var) if isinstance(s, fx.Node) and s.op == "placeholder")
 
 
 def _deliver(report: Report, target, on_report) -> None:
