@@ -220,7 +220,7 @@ class FrozenInference:
         self.state = _frozen_state(self.constants)
         self.statistics = [c for i, c in zip(self.constant_positions, self.constants)
                            if placeholders[i].name in statistics]
-        self.statistics_values = _values(self.statistics)
+        self.statistics_values = _values(self.statistics) if self.statistics else None
         self.unfrozen_graph = graph_module_copy(gm)
         frozen_gm = _constants_as_attributes(gm, self.constant_positions, example_inputs)
         with torch.no_grad():
@@ -232,7 +232,7 @@ class FrozenInference:
         if self.unfrozen is None:
             constants = [args[i] for i in self.constant_positions]
             if (all(a is c for a, c in zip(constants, self.constants)) and _frozen_state(constants) == self.state
-                    and torch.equal(_values(self.statistics), self.statistics_values)):
+                    and (not self.statistics or torch.equal(_values(self.statistics), self.statistics_values))):
                 out = self.frozen(*[args[i] for i in self.runtime_positions])
                 self.state = _frozen_state(constants)  # the graph's own buffer updates are fine
                 return out
@@ -245,7 +245,7 @@ class FrozenInference:
 
 def _values(tensors: list) -> torch.Tensor:
     """The values of `tensors`, flattened into one new tensor (one comparison checks them all)."""
-    return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
 def _frozen_state(tensors: list) -> tuple[list[int], list[int]]:

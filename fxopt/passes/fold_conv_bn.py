@@ -141,20 +141,20 @@ class FoldConvBN(Pass):
                 continue
             # precomputed only where a guard sees the statistics change: ATen's train-mode update of them bumps no
             # version, the module's batch counter is what moves (a functional BN without one: folded in the graph)
-            precompute = (ctx.mode == "inference" and ctx.guards_checked
-                          and _batch_counter(gm, bn.running_mean) is not None)
-            self._record_guards(layer, bn, precompute, ctx)
+            counter = _batch_counter(gm, bn.running_mean)
+            precompute = ctx.mode == "inference" and ctx.guards_checked and counter is not None
+            self._record_guards(layer, bn, precompute, counter, ctx)
             self._fold(gm, layer, bn, precompute)
             result.record("folded", site_name(node), detail=f"{site_name(layer.node)} + {site_name(node)}")
         if result.changed and ctx.mode == "inference":
             gm.delete_all_unused_submodules()
         return result
 
-    def _record_guards(self, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool,
+    def _record_guards(self, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool, counter: str | None,
                        ctx: PassContext) -> None:
         """What the fold relies on: the BN stays in eval mode; precomputed, weights, statistics and the BN's batch
-        counter keep their values (the counter: ATen updates the statistics in place without bumping their versions,
-        the module's `add_(1)` on it does)."""
+        `counter` (there is one wherever the fold is precomputed) keep their values (the counter: ATen updates the
+        statistics in place without bumping their versions, the module's `add_(1)` on it does)."""
         why = f"{site_name(bn.node)} folded into {site_name(layer.node)}"
         path = module_path(bn.node)
         if path is not None:
@@ -165,10 +165,8 @@ class FoldConvBN(Pass):
         for ref in refs:
             if isinstance(ref, fx.Node) and ref.op == "get_attr":
                 ctx.guards.add(Guard(SAME_VALUE, model_name(ctx, ref.target), None, self.name, why))
-        counter = _batch_counter(bn.node.graph.owning_module, bn.running_mean)
-        if counter is not None:
-            ctx.guards.add(Guard(SAME_VALUE, model_name(ctx, counter), None, self.name,
-                                 f"{why}: a train-mode step updates its statistics, and counts it here"))
+        ctx.guards.add(Guard(SAME_VALUE, model_name(ctx, counter), None, self.name,
+                             f"{why}: a train-mode step updates its statistics, and counts it here"))
 
     def _fold(self, gm: fx.GraphModule, layer: ConvCall | LinearCall, bn: BatchNormCall, precompute: bool) -> None:
         transposed = getattr(layer, "transposed", False)
