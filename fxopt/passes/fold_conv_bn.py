@@ -145,7 +145,9 @@ class FoldConvBN(Pass):
             precompute = ctx.mode == "inference" and ctx.guards_checked and counter is not None
             self._record_guards(layer, bn, precompute, counter, ctx)
             self._fold(gm, layer, bn, precompute)
-            result.record("folded", site_name(node), detail=f"{site_name(layer.node)} + {site_name(node)}")
+            unguarded = ctx.mode == "inference" and ctx.guards_checked and not precompute
+            result.record("folded", site_name(node), detail=f"{site_name(layer.node)} + {site_name(node)}" + (
+                ", as graph ops: no batch counter shows when its statistics change" if unguarded else ""))
         if result.changed and ctx.mode == "inference":
             gm.delete_all_unused_submodules()
         return result
