@@ -4,7 +4,8 @@ Per model (a deep MLP, a small CNN with train-mode BatchNorm, a small Hugging Fa
 from a config with random weights, wrapped to return `last_hidden_state`) and per budget in
 1.0 / 0.5 / 0.25 / 0.1, one training step of:
 
-  fxopt      torch.compile(model, backend=fxopt.backend(inner=INNER, passes=[], memory_budget=b)):
+  fxopt      torch.compile(model, backend=fxopt.backend(inner=INNER, passes=["checkpoint_activations"],
+                                                memory_budget=b)):
              fxopt's planner tags what the min-cut partitioner recomputes (fxopt.frontends.backend_memory)
   inductor   the same hand-off with torch's `activation_memory_budget=b` and the min-cut partitioner
              as it is (no fxopt tags): INNER "aot_eager" partitions exactly as Inductor does, without
