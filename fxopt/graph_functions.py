@@ -13,6 +13,8 @@ Passes emit these helpers as single `call_function` nodes. Each is declared once
   runs_without_grad  "callable" or "method": it runs its first argument (a module, a function name, a
                      method name) under `torch.no_grad()`, and has that call's effects (side_effects,
                      `fxopt.analysis.grad_needs`)
+  opaque             runs code fxopt does not read (a user's autograd Function: fxopt.capture.autograd_functions;
+                     side_effects: OPAQUE)
 
 A graph holds a function it passes to a helper by name (fx cannot print a function object as an
 argument): `importable_name(fn)` gives that name, `import_by_name(name)` the function back.
@@ -34,16 +36,17 @@ class Declared:
     updates_stats: bool = False
     saves: Callable | None = None  # node -> bytes its backward keeps
     runs_without_grad: str | None = None  # "callable", "method" or None
+    opaque: bool = False
 
 
 _GRAPH_FUNCTIONS: dict = {}  # function -> Declared
 
 
 def graph_function(fn=None, *, name: str | None = None, mutates: bool = False, updates_stats: bool = False,
-                   saves: Callable | None = None, runs_without_grad: str | None = None):
-    """Declare `fn` as emitted into graphs by a pass (see module docstring); bare, or with its facts."""
+                   saves: Callable | None = None, runs_without_grad: str | None = None, opaque: bool = False):
+    """Declare `fn` as put into graphs by fxopt (see module docstring); bare, or with its facts."""
     def declare(f):
-        _GRAPH_FUNCTIONS[f] = Declared(name, mutates, updates_stats, saves, runs_without_grad)
+        _GRAPH_FUNCTIONS[f] = Declared(name, mutates, updates_stats, saves, runs_without_grad, opaque)
         return f
 
     return declare(fn) if fn is not None else declare

@@ -723,15 +723,18 @@ class CustomGradients(nn.Module):
         return self.head(self.quantized(self.encoder(x)))
 
 
-def test_custom_autograd_functions_keep_their_backward():
-    """A module calling custom autograd Functions runs as written, so their own backward runs (export would
-    differentiate their forward: the straight-through gradient became 0); its siblings are still exported."""
+def test_custom_autograd_function_returning_a_view_keeps_its_module_as_written():
+    """A module calling a custom autograd Function fxopt cannot record as an op (a gradient reversal returning a view
+    of its input) runs as written, so the Functions' own backward runs (export would differentiate their forward: the
+    straight-through gradient became 0); its siblings are still exported (tests/test_autograd_functions.py: the
+    Functions it records)."""
     torch.manual_seed(0)
     model = CustomGradients().train()
     x = torch.randn(4, 8, requires_grad=True)
     optimized = fxopt.optimize(model, (x,), mode="training")
     opaque = {o.path: o.reason for o in optimized.fxopt_report.opaque}
-    assert set(opaque) == {"", "quantized"} and "_RoundStraightThrough" in opaque["quantized"]
+    assert set(opaque) == {"", "quantized"} and "_ReverseGradient" in opaque["quantized"]
+    assert "returns a view of an argument" in opaque["quantized"]
     assert optimized.fxopt_report.graphs == ["encoder"]
     assert_same_step(model, optimized, (x,), training=True, rtol=0, atol=0)
 

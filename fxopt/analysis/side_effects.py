@@ -16,7 +16,7 @@ updates its running statistics. `effects(node, gm)` names every effect a node ma
             guarding a traced-away argument, `torch._check*`), hooks on the module, ops torch
             marks effectful
   OPAQUE    runs code we cannot see: module calls (an opaque module, a region fxopt made), user
-            functions
+            functions, a user's autograd Function (fxopt.capture.autograd_functions)
 
 An ATen op's effects come from its schema (mutable arguments, `nondeterministic_seeded`), except
 where the schema is wrong about it (batch_norm's statistics; dropout with `train=False` draws
@@ -70,6 +70,8 @@ def _is_torch_callable(fn) -> bool:
 def _function_effects(fn, args: tuple, kwargs: dict, gm: fx.GraphModule) -> frozenset[str]:
     name = getattr(fn, "__name__", "")
     helper = declared(fn)  # fxopt's own graph helpers declare their effects
+    if helper is not None and helper.opaque:
+        return frozenset({OPAQUE})
     if helper is not None and helper.runs_without_grad:
         return _wrapped_effects(helper.runs_without_grad, args[0], args[1:], kwargs, gm)
     if helper is not None:

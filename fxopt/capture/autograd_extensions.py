@@ -11,11 +11,14 @@ not an op, and the graph silently loses it:
   or `h.retain_grad()`;
 * saved-tensor hooks entered in the forward (`with torch.autograd.graph.save_on_cpu():` offloading).
 
-Within `refusing_autograd_extensions()` each of these, called from the model's code (not torch's or
-fxopt's; a Function: any but fxopt's and a torch.library custom op's, which export keeps as the op with its
-registered backward), raises `AutogradExtension`, so capture refuses to
-export the module calling it; that module runs as written while its other children are captured
-(fxopt.capture). A Function that overrides `apply` itself is not seen.
+Within `refusing_autograd_extensions()` a custom Function's call is recorded as one op that runs the
+Function itself, its backward included (fxopt.capture.autograd_functions), where that op stands for it
+exactly; any other (torch's own, one defined inside a function, one returning a view of its input, ...),
+and each hook above called from the model's code (not torch's or fxopt's), raises `AutogradExtension`, so
+capture refuses to export the module calling it; that module runs as written while its other children are
+captured (fxopt.capture). fxopt's own Functions, a torch.library custom op's (which export keeps as the op
+with its registered backward), and a Function called by a recorded Function's forward (part of it) run as
+they are. A Function that overrides `apply` itself is not seen.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import contextlib
 import torch
 
 from ..user_code import caller_is_users
+from .autograd_functions import NotRecordable, inside_recorded_function, recorded_apply, why_not_recorded
 
 
 class AutogradExtension(Exception):
@@ -32,8 +36,8 @@ class AutogradExtension(Exception):
 
 @contextlib.contextmanager
 def refusing_autograd_extensions():
-    """Within: custom Functions' `apply` (but _KEPT_FUNCTIONS'), and tensor and saved-tensor hooks from the model's
-    code, raise AutogradExtension (module docstring)."""
+    """Within: custom Functions' `apply` (but _KEPT_FUNCTIONS') is recorded as fxopt's op or raises
+    AutogradExtension, and tensor and saved-tensor hooks from the model's code raise it (module docstring)."""
     function, tensor, saved = torch.autograd.Function, torch.Tensor, torch.autograd.graph.saved_tensors_hooks
     # each class's own entry (the classmethod itself for `apply`), or None where it inherits the method
     originals = [(owner, name, vars(owner).get(name)) for owner, names in
@@ -41,11 +45,18 @@ def refusing_autograd_extensions():
     plain_apply = function.__dict__["apply"].__func__
 
     def apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith(_KEPT_FUNCTIONS):
-            raise AutogradExtension(
-                f"forward calls the custom autograd.Function {cls.__qualname__} (from {cls.__module__}): an exported "
-                f"graph would differentiate its forward instead of running its own backward")
-        return plain_apply(cls, *args, **kwargs)
+        if cls.__module__.startswith(_KEPT_FUNCTIONS) or inside_recorded_function():
+            return plain_apply(cls, *args, **kwargs)
+        reason = why_not_recorded(cls, args, kwargs)
+        try:
+            if not reason:
+                return recorded_apply(cls, args)
+        except NotRecordable as e:
+            reason = str(e)
+        raise AutogradExtension(
+            f"forward calls the custom autograd.Function {cls.__qualname__} (from {cls.__module__}), which fxopt "
+            f"cannot record as an op: {reason}; an exported graph would differentiate its forward instead of running "
+            f"its own backward")
 
     function.apply = classmethod(apply)
     for name, why in _TENSOR_HOOKS.items():

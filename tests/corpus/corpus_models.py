@@ -97,6 +97,9 @@ CORPUS: tuple[Entry, ...] = (
                                     use_cache=False),
                                dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,  # TinyLlama-1.1B
                                     num_attention_heads=32, num_key_value_heads=4, use_cache=False)), TEXT),
+    Entry("BLOOM", "text", _hf(T.BloomModel, T.BloomConfig,  # ALiBi; in training its GELU is a custom autograd.Function
+                               dict(vocab_size=100, hidden_size=32, n_layer=2, n_head=2, use_cache=False),
+                               dict(use_cache=False)), TEXT),
     Entry("BART", "text", _hf(T.BartModel, T.BartConfig,  # encoder-decoder; decoder inputs shifted from the inputs
                               dict(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1,
                                    encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
