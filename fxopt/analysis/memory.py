@@ -60,6 +60,7 @@ from .flops import node_flops
 from .grad_needs import analyze_grad_needs
 from .kept_outputs import kept_output
 from .op_times import node_seconds, replay_key
+from .opaque_memory import measured as measured_opaque
 from .region_overhead import RegionOverhead, region_overhead
 from .ops import match_batch_norm, match_conv, resolve
 from .saved_tensors import saved_bytes, saved_copies, saved_for_backward, tensor_bytes
@@ -493,9 +494,11 @@ def _statistics_kept(node: fx.Node) -> int:
 
 
 def _backward_scratch(node: fx.Node, grad_needs) -> int | None:
-    """What `node`'s backward allocates beyond its gradients: a convolution's scratch, else
-    fxopt.analysis.backward_temporaries' rule (None where that is nothing)."""
+    """What `node`'s backward allocates beyond its gradients: a convolution's scratch, an opaque op's as measured
+    (fxopt.analysis.opaque_memory), else fxopt.analysis.backward_temporaries' rule (None where that is nothing)."""
     scratch = _conv_scratch(node, grad_needs)
+    if scratch is None and (opaque := measured_opaque(node)) is not None:
+        scratch = opaque.backward_scratch
     return scratch if scratch is not None else backward_temporary(node, grad_needs.requires_grad) or None
 
 

@@ -13,8 +13,9 @@ graph helpers declare what they keep (`fxopt.graph_functions`: `saves`, or a `na
 (`aten.slice`, `aten.alias`, ...) keeps nothing, like the views listed here.
 Entries are what autograd saves when every tensor input requires grad (checked against
 `torch.autograd.graph.saved_tensors_hooks` by tests/test_saved_tensors.py); with some inputs
-frozen autograd may save less, so the table is a safe over-approximation. An op not in the
-table is `known=False` and assumed to save its output and every tensor input.
+frozen autograd may save less, so the table is a safe over-approximation. An op declared opaque (a user's autograd Function) keeps what running it once
+shows (fxopt.analysis.opaque_memory). An op not in the table is `known=False` and assumed to save its output and
+every tensor input.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .. import _torch_private
 from ..graph_functions import declared
 from ..op_names import op_name
 from .ops import match_batch_norm
+from .opaque_memory import measured
 from .shapes import tensor_meta
 
 # Which tensor inputs a backward keeps: none, the first, all, or (products) each operand for the
@@ -217,8 +219,12 @@ def saved_for_backward(node: fx.Node) -> SavedForBackward:
     """What autograd keeps for `node`'s backward (see module docstring); placeholders keep nothing."""
     if node.op in ("placeholder", "get_attr", "output"):
         return SavedForBackward(False, (), True)
-    rule = _rule(node)
     inputs = _tensor_inputs(node)
+    opaque = measured(node)
+    if opaque is not None:
+        flat = [a for a in _torch_private.tree_leaves(node.args) if isinstance(a, fx.Node)]
+        return SavedForBackward(opaque.saves_output, tuple(dict.fromkeys(flat[i] for i in opaque.saved_inputs)), True)
+    rule = _rule(node)
     if rule is None:
         return SavedForBackward(True, inputs, False)
     operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and a in inputs]
@@ -308,6 +314,6 @@ def saved_bytes(node: fx.Node) -> int:
     nodes = {n for n in saved.saved_inputs if n.op not in ("placeholder", "get_attr") and n not in copies}
     if saved.saves_output:
         nodes.add(node)
-    rule = _rule(node)
-    extra = rule.extra(node) if rule is not None and rule.extra is not None else 0
+    rule, opaque = _rule(node), measured(node)
+    extra = rule.extra(node) if rule is not None and rule.extra is not None else opaque.private_bytes if opaque else 0
     return sum(tensor_bytes(n) for n in nodes) + copied_bytes + extra
