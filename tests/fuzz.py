@@ -7,7 +7,8 @@ Network `i` of a run with base seed `S` is built from seed `S + i` alone, so a f
 command that replays it. Each network is a small program over a pool of 4-D values (batch, channels,
 5, 5): conv / conv-transpose / linear (on the last axis) / BatchNorm (module or functional; train or
 eval mode; `momentum=None`, `affine=False`, `track_running_stats=False`), the ReLU family and other
-activations (module or functional, sometimes `inplace=True`), dropout, add / mul / cat, views and
+activations (module or functional, sometimes `inplace=True`; one a custom autograd Function with its own
+backward, which capture records as an op: fxopt.capture.autograd_functions), dropout, add / mul / cat, views and
 reshapes whose result is used later, zero-width pads, modules called at two sites, values with several
 users, in-place writes (`add_`, `mul_`) after the ops that would be checkpointed, several outputs,
 values nobody reads (dead code) and a flatten-linear head. In training some parameters are frozen,
@@ -46,6 +47,25 @@ SIZE = 5  # spatial size; every layer keeps it (kernel 3 / padding 1, or kernel 
 BATCH = 4
 TOLERANCE = 1e-7  # float64: folding reorders a few products, anything larger is a bug
 
+class HalfSlopeTanh(torch.autograd.Function):
+    """tanh, keeping its output, whose own backward gives half tanh's derivative (a gradient eager's autograd of
+    the forward would not give)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y) * 0.5
+
+
+FUNCTION_SHARE = 0.1  # of the activations: HalfSlopeTanh instead
+
+
 ACTIVATIONS = {  # name -> (module factory taking inplace, functional form or None)
     "relu": (lambda ip: nn.ReLU(inplace=ip), F.relu),
     "relu6": (lambda ip: nn.ReLU6(inplace=ip), F.relu6),
@@ -69,7 +89,7 @@ VIEWS = {  # shape-preserving views and reshapes of a (N, C, S, S) value, and a 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    op: str  # layer, bn_functional, act, act_functional, dropout, add, mul, cat, view, inplace, head
+    op: str  # layer, bn_functional, act, act_functional, function, dropout, add, mul, cat, view, inplace, head
     args: tuple[int, ...]  # indices of the values it reads
     module: str = ""  # key in Net.layers
     detail: str = ""  # activation / view / in-place op name
@@ -89,6 +109,8 @@ class Net(ProgramNet):
                                 layer.training or not layer.track_running_stats, 0.1, layer.eps)
         if step.op == "act_functional":
             return ACTIVATIONS[step.detail][1](a[0])
+        if step.op == "function":
+            return HalfSlopeTanh.apply(a[0])
         if step.op == "add":
             return a[0] + a[1]
         if step.op == "mul":
@@ -129,8 +151,9 @@ class Case:
 class Builder:
     """Grows a program step by step, tracking each value's channel count and whether it is a view."""
 
-    def __init__(self, rng: random.Random, training: bool):
+    def __init__(self, rng: random.Random, training: bool, functions: random.Random):
         self.rng, self.training = rng, training
+        self.functions = functions  # its own stream: what else a seed draws is as it was before it
         self.channels = [3]
         self.layers: dict[str, nn.Module] = {}
         self.steps: list[Step] = []
@@ -197,11 +220,15 @@ class Builder:
     def add_activation(self, src: int) -> int:
         act = self.rng.choice(list(ACTIVATIONS))
         if self.rng.random() < 0.3:
-            return self.push(Step("act_functional", (src,), detail=act), self.channels[src])
-        inplace = self.rng.random() < 0.4
-        module = ACTIVATIONS[act][0](inplace)
-        name = self.reuse(type(module), -1, inplace=getattr(module, "inplace", None)) or self.new(act, module)
-        return self.push(Step("act", (src,), name, act), self.channels[src])
+            made = self.push(Step("act_functional", (src,), detail=act), self.channels[src])
+        else:
+            inplace = self.rng.random() < 0.4
+            module = ACTIVATIONS[act][0](inplace)
+            name = self.reuse(type(module), -1, inplace=getattr(module, "inplace", None)) or self.new(act, module)
+            made = self.push(Step("act", (src,), name, act), self.channels[src])
+        if self.functions.random() < FUNCTION_SHARE:
+            self.steps[-1] = Step("function", (src,))
+        return made
 
     def add_dropout(self, src: int) -> int:
         name = self.reuse(nn.Dropout, -1) or self.new("dropout", nn.Dropout(0.3, inplace=self.rng.random() < 0.3))
@@ -265,7 +292,7 @@ def generate(seed: int, attempt: int = 0) -> Case:
     rng = random.Random(seed * 1000 + attempt)
     torch.manual_seed(seed * 1000 + attempt)
     training = rng.random() < 0.5
-    b = Builder(rng, training)
+    b = Builder(rng, training, random.Random(f"functions {seed * 1000 + attempt}"))
     b.grow()
     if len(b.steps) == 0:
         b.add_layer(0)
