@@ -7,9 +7,10 @@ into a plain `torch.fx.GraphModule`: without export's input-guard call (`_guards
 with an `AssertionError`; its facts are kept in a `CallSpec`), and without export's forward hooks
 (closures that neither pickle nor let a call differ), and without the constant all-True or causal
 attention masks export made Hugging Face models build where eager passes none (`attention_masks.py`).
-A forward calling a custom autograd Function, registering a tensor hook or entering saved-tensor hooks
-is refused (`autograd_extensions.py`): the graph would keep the Function's forward without its
-backward, and none of the hooks.
+A custom autograd Function's call becomes one op that runs the Function, its backward included
+(`autograd_functions.py`); a forward calling one that op cannot stand for, registering a tensor hook or
+entering saved-tensor hooks is refused (`autograd_extensions.py`): the graph would keep the Function's
+forward without its backward, and none of the hooks.
 
 Sizes are those of the example call (a static export: the cheapest, and its fake values,
 `node.meta["val"]`, are the concrete example shapes the analyses need). With `dynamic_batch` the
