@@ -13,9 +13,9 @@ graph helpers declare what they keep (`fxopt.graph_functions`: `saves`, or a `na
 (`aten.slice`, `aten.alias`, ...) keeps nothing, like the views listed here.
 Entries are what autograd saves when every tensor input requires grad (checked against
 `torch.autograd.graph.saved_tensors_hooks` by tests/test_saved_tensors.py); with some inputs
-frozen autograd may save less, so the table is a safe over-approximation. An op declared opaque (a user's autograd Function) keeps what running it once
-shows (fxopt.analysis.opaque_memory). An op not in the table is `known=False` and assumed to save its output and
-every tensor input.
+frozen autograd may save less, so the table is a safe over-approximation. An op declared opaque (a user's
+autograd Function) keeps what running it once shows (fxopt.analysis.opaque_memory). An op not in the table is
+`known=False` and assumed to save its output and every tensor input.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ the graph runs the Function's forward, and autograd records the Function's own n
 `Fn.backward`, as in eager. `spec` names the Function, where its tensors go and its other arguments as
 text (`repr`), so graphs copy and pickle like any other.
 
-Recorded only when that is exact (`why_not_recorded`, and after the call `check_outputs`), else the module
-calling it is refused as before and runs as written:
+Recorded only when that is exact (`why_not_recorded` before the call, `recorded_apply` after it), else the
+module calling it is refused as before and runs as written:
   the Function is importable by its name (not defined inside a function) and not torch's own (a collective);
   it takes no keyword arguments, at least one tensor, and otherwise only constants `repr` writes back exactly
   (None, bool, int, float, str, and tuples, lists and dicts of them);
@@ -21,7 +21,8 @@ calling it is refused as before and runs as written:
   reversal's `x.view_as(x)`: analyses take an op's outputs to be new tensors);
   it writes into no argument (`ctx.mark_dirty`).
 To every analysis the op is opaque (declared so, fxopt.graph_functions): never removed, moved, recomputed or
-put in a checkpoint region, and taken to save its inputs and output.
+put in a checkpoint region; what it keeps for backward and allocates in it is measured
+(fxopt.analysis.opaque_memory).
 """
 from __future__ import annotations
 
