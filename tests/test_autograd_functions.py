@@ -93,6 +93,8 @@ class TakesAnything(torch.autograd.Function):
 
 
 class ReturnsAFloat(torch.autograd.Function):
+    """Returns a tensor and a float."""
+
     @staticmethod
     def forward(ctx, x):
         return x * 2, 1.5
@@ -172,8 +174,8 @@ def test_function_stays_out_of_checkpoint_regions_and_the_step_is_exact():
     """Under a memory budget the Function is never recomputed (refused as `autograd_function`), the regions around
     it are, and the training steps are eager's bit for bit."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[WithFunction(straight_through) for _ in range(1)], nn.Linear(4, 64), nn.GELU(),
-                          nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)).double().train()
+    model = nn.Sequential(WithFunction(straight_through), nn.Linear(4, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                          nn.Linear(64, 4)).double().train()
     x = torch.randn(32, 8, dtype=torch.double, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the budget may be unreachable; what counts is the refusal and the bits
