@@ -33,9 +33,10 @@ from .ops import match_batch_norm
 from .opaque_memory import measured
 from .shapes import tensor_meta
 
-# Which tensor inputs a backward keeps: none, the first, all, or (products) each operand for the
-# other's gradient, so all of them when there are two or more and none beside a Python scalar.
-NONE, FIRST, ALL, OPERANDS = "none", "first", "all", "operands"
+# Which tensor inputs a backward keeps: none, the first, all, (products) each operand for the
+# other's gradient, so all of them when there are two or more and none beside a Python scalar, or
+# (`addmm(input, mat1, mat2)`, `baddbmm(input, batch1, batch2)`) the two multiplied, not the added term.
+NONE, FIRST, ALL, OPERANDS, FACTORS = "none", "first", "all", "operands", "factors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,8 @@ _TABLE: dict[str, _Rule] = {
     **dict.fromkeys(["max_pool1d", "max_pool2d", "max_pool3d"], _Rule(inputs=FIRST, extra=_int64_like_output)),
     # products and layers keep their operands (weights, running statistics: parameters and buffers)
     **dict.fromkeys(["mul", "div", "truediv"], _Rule(inputs=OPERANDS)),
-    **dict.fromkeys(["matmul", "mm", "bmm", "addmm", "linear", "conv1d", "conv2d", "convolution",
+    **dict.fromkeys(["addmm", "baddbmm"], _Rule(inputs=FACTORS)),
+    **dict.fromkeys(["matmul", "mm", "bmm", "linear", "conv1d", "conv2d", "convolution",
                      "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
                      "group_norm", "instance_norm", "embedding", "gather", "index"], _KEEPS_ALL_INPUTS),
     # batch norm keeps its operands and, in train mode, each channel's statistics
@@ -228,9 +230,16 @@ def saved_for_backward(node: fx.Node) -> SavedForBackward:
     if rule is None:
         return SavedForBackward(True, inputs, False)
     operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and a in inputs]
-    kept = {NONE: (), FIRST: inputs[:1], ALL: inputs, OPERANDS: inputs if len(operands) > 1 else ()}[rule.inputs]
+    kept = {NONE: (), FIRST: inputs[:1], ALL: inputs, OPERANDS: inputs if len(operands) > 1 else (),
+            FACTORS: tuple(dict.fromkeys(a for a in _factors(node) if isinstance(a, fx.Node)))}[rule.inputs]
     output = rule.output(node) if callable(rule.output) else rule.output
     return SavedForBackward(output, kept, True)
+
+
+def _factors(node: fx.Node) -> tuple:
+    """The two multiplied arguments of `addmm` / `baddbmm` (positions 1 and 2, or by keyword)."""
+    names = ("batch1", "batch2") if op_name(node) == "baddbmm" else ("mat1", "mat2")
+    return tuple(node.args[i] if len(node.args) > i else node.kwargs.get(name) for i, name in zip((1, 2), names))
 
 
 # Ops that may reshape an operand into a batch of matrices before their product: a permuted operand
