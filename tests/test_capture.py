@@ -25,6 +25,7 @@ from equivalence import assert_same_step, assert_same_training_steps, assert_sta
 from fxopt.capture import capture
 from fxopt.capture.naming import module_path
 from fxopt.capture.specialized import SpecializedCall
+from test_autograd_functions import RoundStraightThrough, ViewOf
 from test_guards import assert_same, step
 
 
@@ -679,37 +680,13 @@ def test_users_checkpoint_calls_are_kept_not_inlined():
     assert_same_step(model, optimized, (x,), training=True)
 
 
-class _RoundStraightThrough(torch.autograd.Function):
-    """Rounds; its gradient passes through unchanged (quantization-aware training's straight-through estimator)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class _ReverseGradient(torch.autograd.Function):
-    """The identity whose gradient is negated (domain-adversarial training)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return -grad
-
-
 class _Quantized(nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(8, 8)
 
     def forward(self, x):
-        return _ReverseGradient.apply(_RoundStraightThrough.apply(self.linear(x) * 4))
+        return ViewOf.apply(RoundStraightThrough.apply(self.linear(x) * 4))
 
 
 class CustomGradients(nn.Module):
@@ -733,7 +710,7 @@ def test_custom_autograd_function_returning_a_view_keeps_its_module_as_written()
     x = torch.randn(4, 8, requires_grad=True)
     optimized = fxopt.optimize(model, (x,), mode="training")
     opaque = {o.path: o.reason for o in optimized.fxopt_report.opaque}
-    assert set(opaque) == {"", "quantized"} and "_ReverseGradient" in opaque["quantized"]
+    assert set(opaque) == {"", "quantized"} and "ViewOf" in opaque["quantized"]
     assert "returns a view of an argument" in opaque["quantized"]
     assert optimized.fxopt_report.graphs == ["encoder"]
     assert_same_step(model, optimized, (x,), training=True, rtol=0, atol=0)
