@@ -117,6 +117,12 @@ CORPUS: tuple[Entry, ...] = (
                                         conv_kernel=(10, 3), num_conv_pos_embeddings=16,
                                         num_conv_pos_embedding_groups=4)),
           lambda size, batch: (torch.randn(batch, 800 if size == "tiny" else 16000),)),
+    # its attention's softmax and its dropouts are custom autograd Functions (XSoftmax, XDropout: torch's RNG)
+    Entry("SEW-D", "audio", _hf(T.SEWDModel, T.SEWDConfig,
+                                dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                     conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                     num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, squeeze_factor=1)),
+          lambda size, batch: (torch.randn(batch, 800 if size == "tiny" else 16000),)),
 )
 
 BY_NAME = {e.name: e for e in CORPUS}
