@@ -231,3 +231,18 @@ def test_function_the_op_cannot_stand_for_keeps_its_module_opaque(call, reason):
     assert set(opaque) == {"", "1"} and reason in opaque["1"], opaque
     assert optimized.fxopt_report.graphs == ["0"]
     assert_same_training_steps(model, optimized, (x,), steps=2, rtol=0, atol=0)
+
+
+def test_a_call_export_traced_into_keeps_its_module_opaque(monkeypatch):
+    """Where torch.export does not keep the op for a recorded call (as a torch that traced into it would), the
+    graph would differentiate the Function's forward: capture refuses the module, which runs as written."""
+    import fxopt.capture.autograd_functions as recording
+
+    monkeypatch.setattr(recording, "OP", recording._run)  # the Function's forward traced, not kept as the op
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.GELU()), WithFunction(straight_through)).double().train()
+    x = torch.randn(6, 8, dtype=torch.double, requires_grad=True)
+    optimized = fxopt.optimize(model, (x,), mode="training")
+    opaque = {o.path: o.reason for o in optimized.fxopt_report.opaque}
+    assert set(opaque) == {"", "1"} and "did not keep fxopt's op" in opaque["1"], opaque
+    assert_same_training_steps(model, optimized, (x,), steps=2, rtol=0, atol=0)

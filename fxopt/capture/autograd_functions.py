@@ -19,7 +19,9 @@ module calling it is refused as before and runs as written:
   (None, bool, int, float, str, and tuples, lists and dicts of them);
   it returns a tensor or a tuple of tensors, none sharing memory with an argument (a view such as a gradient
   reversal's `x.view_as(x)`: analyses take an op's outputs to be new tensors);
-  it writes into no argument (`ctx.mark_dirty`).
+  it writes into no argument (`ctx.mark_dirty`);
+  and the exported graph holds the op once per recorded call (`recorded_calls`, checked by
+  fxopt.capture.exporting): an export that traced into the op would have dropped the Function's backward.
 To every analysis the op is opaque (declared so, fxopt.graph_functions): never removed, moved, recomputed or
 put in a checkpoint region; what it keeps for backward and allocates in it is measured
 (fxopt.analysis.opaque_memory).
@@ -27,6 +29,7 @@ put in a checkpoint region; what it keeps for backward and allocates in it is me
 from __future__ import annotations
 
 import ast
+import contextlib
 import threading
 
 import torch
@@ -37,7 +40,8 @@ from ..graph_functions import graph_function, import_by_name, importable_name
 _LIBRARY = torch.library.Library("fxopt", "DEF")
 _LIBRARY.define("autograd_function(Tensor[] tensors, str spec) -> Tensor[]")
 _PLAIN_APPLY = torch.autograd.Function.__dict__["apply"].__func__  # before fxopt.capture patches it while exporting
-_state = threading.local()  # depth: recorded Functions running now; single: whether the last returned one tensor
+_state = threading.local()  # depth: recorded Functions running now; single: whether the last returned one tensor;
+# recorded: the Functions recorded as the op within `recorded_calls()`
 
 
 class NotRecordable(Exception):
@@ -110,5 +114,23 @@ def recorded_apply(function: type, args: tuple):
     storages = {_torch_private.untyped_storage_key(t) for t in tensors}
     if any(_torch_private.untyped_storage_key(o) in storages for o in outputs):
         raise NotRecordable("it returns a view of an argument")
+    getattr(_state, "recorded", []).append(function.__qualname__)
     return outputs[0] if _state.single else tuple(outputs)
+
+
+@contextlib.contextmanager
+def recorded_calls():
+    """Within: the names of the Functions recorded as the op, in a list this yields. An exporter checks that its
+    graph holds the op that many times (a torch whose export traced into the op would have dropped the Function's
+    backward: fxopt.capture.exporting)."""
+    _state.recorded = recorded = []
+    try:
+        yield recorded
+    finally:
+        del _state.recorded
+
+
+def ops_in(gm) -> int:
+    """How many calls of the op `gm`'s graph holds."""
+    return len(gm.graph.find_nodes(op="call_function", target=OP))
 

@@ -34,6 +34,7 @@ from .ambient_state import recording_reads
 from .attention_masks import drop_constant_masks
 from .attribute_writes import recording_writes
 from .autograd_extensions import refusing_autograd_extensions
+from .autograd_functions import ops_in, recorded_calls
 from .call_spec import CallSpec
 from ..host_rng import HostRandomState
 from ..state_preservation import preserved_state
@@ -73,7 +74,8 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
     try:
         with preserved_state(module, (args, kwargs), parameters=False), _torch_private.quiet_export_logs(), \
                 _torch_private.refuse_user_checkpoint(), refusing_autograd_extensions(), \
-                traceable_cumulative_batchnorm(module), recording_reads() as reads, recording_writes(module) as writes:
+                traceable_cumulative_batchnorm(module), recording_reads() as reads, recording_writes(module) as writes, \
+                recorded_calls() as recorded:
             host_rng = HostRandomState()
             ep = torch.export.export(module, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic)
             drawn = host_rng.drawn()  # before preserved_state puts the generators back
@@ -87,6 +89,10 @@ def export_module(module: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
         return (f"its forward assigns {', '.join(writes)} ({kind}): eager sets it on every call, a graph would not "
                 f"({user_code_location(None, module)})")
     exported = _torch_private.exported_module(ep)
+    if ops_in(exported) != len(recorded):
+        return (f"torch.export did not keep fxopt's op for each call of {', '.join(dict.fromkeys(recorded))} (a custom "
+                f"autograd.Function): a graph would differentiate its forward instead of running its own backward "
+                f"({user_code_location(None, module)})")
     gm = _plain_graph_module(exported, type(module).__name__)
     drop_constant_masks(gm)
     call = CallSpec.from_export(gm, ep.range_constraints, kwargs, tuple(reads))
