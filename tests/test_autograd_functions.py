@@ -246,3 +246,11 @@ def test_a_call_export_traced_into_keeps_its_module_opaque(monkeypatch):
     opaque = {o.path: o.reason for o in optimized.fxopt_report.opaque}
     assert set(opaque) == {"", "1"} and "did not keep fxopt's op" in opaque["1"], opaque
     assert_same_training_steps(model, optimized, (x,), steps=2, rtol=0, atol=0)
+
+
+def test_a_model_holding_the_op_is_optimized_again():
+    """Optimizing an optimized model exports the op as it is: one graph holding it, and steps equal to eager's."""
+    model, x = build(straight_through)
+    again = fxopt.optimize(fxopt.optimize(model, (x,), mode="training"), (x,), mode="training")
+    assert again.fxopt_report.opaque == [] and len(ops_of(again)) == 1
+    assert_same_training_steps(model, again, (x,), steps=2, rtol=0, atol=0)

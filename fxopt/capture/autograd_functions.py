@@ -41,7 +41,7 @@ _LIBRARY = torch.library.Library("fxopt", "DEF")
 _LIBRARY.define("autograd_function(Tensor[] tensors, str spec) -> Tensor[]")
 _PLAIN_APPLY = torch.autograd.Function.__dict__["apply"].__func__  # before fxopt.capture patches it while exporting
 _state = threading.local()  # depth: recorded Functions running now; single: whether the last returned one tensor;
-# recorded: the Functions recorded as the op within `recorded_calls()`
+# calls: the Functions the op ran for within `recorded_calls()`
 
 
 class NotRecordable(Exception):
@@ -54,6 +54,8 @@ def _run(tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     args = list(args)
     for place, tensor in zip(places, tensors, strict=True):
         args[place] = tensor
+    if not inside_recorded_function() and hasattr(_state, "calls"):
+        _state.calls.append(name.rsplit(".", 1)[-1])
     _state.depth = getattr(_state, "depth", 0) + 1
     try:
         out = _PLAIN_APPLY(import_by_name(name), *args)
@@ -114,20 +116,19 @@ def recorded_apply(function: type, args: tuple):
     storages = {_torch_private.untyped_storage_key(t) for t in tensors}
     if any(_torch_private.untyped_storage_key(o) in storages for o in outputs):
         raise NotRecordable("it returns a view of an argument")
-    getattr(_state, "recorded", []).append(function.__qualname__)
     return outputs[0] if _state.single else tuple(outputs)
 
 
 @contextlib.contextmanager
 def recorded_calls():
-    """Within: the names of the Functions recorded as the op, in a list this yields. An exporter checks that its
-    graph holds the op that many times (a torch whose export traced into the op would have dropped the Function's
-    backward: fxopt.capture.exporting)."""
-    _state.recorded = recorded = []
+    """Within: the names of the Functions the op runs for (recorded calls, and the op called as it is by a graph
+    being exported again), in a list this yields. An exporter checks that its graph holds the op that many times (a
+    torch whose export traced into the op would have dropped the Function's backward: fxopt.capture.exporting)."""
+    _state.calls = calls = []
     try:
-        yield recorded
+        yield calls
     finally:
-        del _state.recorded
+        del _state.calls
 
 
 def ops_in(gm) -> int:
