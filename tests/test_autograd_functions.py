@@ -190,6 +190,7 @@ def test_graph_with_the_op_copies_and_pickles():
     """The op names its Function by text: the optimized graph survives deepcopy and a pickle round trip."""
     model, x = build(straight_through)
     optimized = fxopt.optimize(model, (x,), mode="training")
+    assert len(ops_of(optimized)) == 1
     expected = optimized(x)
     for clone in (copy.deepcopy(optimized.graph_module), pickle.loads(pickle.dumps(optimized.graph_module))):
         torch.testing.assert_close(clone(x), expected, rtol=0, atol=0)
