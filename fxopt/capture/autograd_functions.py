@@ -131,6 +131,11 @@ def recorded_calls():
         del _state.calls
 
 
+def function_of(node) -> str:
+    """The import path of the Function a node of the op runs."""
+    return ast.literal_eval(node.args[1])[0]
+
+
 def ops_in(gm) -> int:
     """How many calls of the op `gm`'s graph holds."""
     return len(gm.graph.find_nodes(op="call_function", target=OP))

@@ -78,7 +78,7 @@ from ..analysis.shapes import remember_shape_sources
 from ..analysis.ops import match_batch_norm
 from ..op_names import op_name
 from ..analysis.side_effects import MUTATION, effects
-from ..capture.autograd_functions import OP as autograd_function_op
+from ..capture.autograd_functions import OP as autograd_function_op, function_of
 from ..collector import collector_paused
 from ..errors import FxoptError
 from ._checkpoint_plan import plan_floor, plan_regions, region_boundaries
@@ -213,7 +213,8 @@ class CheckpointActivations(Pass):
             reason = refusal(step.node, gm)
             checkpointable.append(not reason)
             if reason:
-                result.record("refused", step.node, reason, "kept out of every checkpointed region")
+                runs = f"runs {function_of(step.node)}, " if reason == "autograd_function" else ""
+                result.record("refused", step.node, reason, f"{runs}kept out of every checkpointed region")
         before = estimate(profile)
         reference = _captured_peak(ctx, before.peak)
         limit = amount * reference if kind == "fraction" else amount
