@@ -48,6 +48,16 @@ def test_region_overhead_is_measured_once():
     assert first.per_region > 0 and first.selective_per_op >= first.per_op
 
 
+def test_region_overhead_draws_nothing_from_the_callers_generator():
+    """Measuring the overhead leaves torch's generator where it was (its chain's input is not drawn)."""
+    from fxopt.analysis import region_overhead
+
+    region_overhead._measured.cache_clear()
+    rng = torch.get_rng_state()
+    region_overhead.region_overhead("cpu")
+    assert torch.equal(rng, torch.get_rng_state())
+
+
 def test_region_overhead_chain_saves_a_tensor_per_op():
     """The chain region_overhead times saves one tensor per op, so a region's per-op saved-tensor hooks are priced."""
     from fxopt.analysis.region_overhead import CHAIN, _chain
