@@ -256,3 +256,30 @@ def test_a_model_holding_the_op_is_optimized_again():
     again = fxopt.optimize(fxopt.optimize(model, (x,), mode="training"), (x,), mode="training")
     assert again.fxopt_report.opaque == [] and len(ops_of(again)) == 1
     assert_same_training_steps(model, again, (x,), steps=2, rtol=0, atol=0)
+
+
+class NoisyScale(torch.autograd.Function):
+    """Scales its input by fresh noise from torch's generator (as a custom dropout does); its gradient is the noise."""
+
+    @staticmethod
+    def forward(ctx, x):
+        noise = torch.rand_like(x)
+        ctx.save_for_backward(noise)
+        return x * noise
+
+    @staticmethod
+    def backward(ctx, grad):
+        (noise,) = ctx.saved_tensors
+        return grad * noise
+
+
+def test_optimizing_around_a_function_that_draws_leaves_the_generator_as_it_was():
+    """What optimize() runs to measure the Function (its memory, its time) draws nothing from the caller's random
+    stream: torch's generator is where it was, and the steps draw the noise eager draws."""
+    model, x = build(lambda m, h: NoisyScale.apply(h))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    optimized = fxopt.optimize(model, (x,), mode="training", memory_budget=0.5)
+    assert torch.equal(before, torch.get_rng_state())
+    assert len(ops_of(optimized)) == 1
+    assert_same_step(model, optimized, (x,), training=True, rtol=0, atol=0)  # each from the same seed

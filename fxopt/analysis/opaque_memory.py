@@ -9,8 +9,9 @@ peak 14-21% above the estimate at budgets 0.8 and 0.5 (6 layers, 384 wide, batch
 hooks: which of its inputs and outputs it keeps, and the bytes of the other tensors it keeps; then its backward
 from gradients of ones under the allocator's profiler: the most it holds beyond the gradients it returns. Every floating input requires a gradient,
 as for the saved-tensors table (fxopt.analysis.saved_tensors: with some frozen, an op may keep less). Cached per
-call (target, arguments, shapes, strides, dtypes, thread count). None where it cannot be run so (not on CPU, a
-fake-only argument, an error, a torch profiler already recording).
+call (target, arguments, shapes, strides, dtypes, thread count). What the op draws from torch's, Python's and
+NumPy's generators is put back. None where it cannot be run so (not on CPU, a fake-only argument, an error, a torch
+profiler already recording).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..graph_functions import declared
+from ..host_rng import forked_host_rng
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +72,7 @@ def _tensors(value) -> list[torch.Tensor]:
 @functools.lru_cache(maxsize=256)
 def _measured(target, args: tuple, threads: int) -> OpaqueMemory | None:
     """`measured` for one call (module docstring); `threads`: the intra-op thread count it ran at."""
-    with _torch_private.unset_fake_mode(), torch.enable_grad():
+    with _torch_private.unset_fake_mode(), torch.enable_grad(), torch.random.fork_rng(devices=[]), forked_host_rng():
         inputs: list[torch.Tensor] = []
         real_args = [_real(a, inputs) for a in args]
         saved: list[torch.Tensor] = []
