@@ -7,11 +7,11 @@ fxopt does not read. Taken to keep its inputs and output and to allocate nothing
 peak 14-21% above the estimate at budgets 0.8 and 0.5 (6 layers, 384 wide, batch 8 x 128); measured, 3-5% below.
 `measured(node)` runs such a node once on real tensors shaped like its inputs (ones), under saved-tensor
 hooks: which of its inputs and outputs it keeps, and the bytes of the other tensors it keeps; then its backward
-from gradients of ones under the allocator's profiler: the most it holds beyond the gradients it returns. Every floating input requires a gradient,
-as for the saved-tensors table (fxopt.analysis.saved_tensors: with some frozen, an op may keep less). Cached per
-call (target, arguments, shapes, strides, dtypes, thread count). What the op draws from torch's, Python's and
-NumPy's generators is put back. None where it cannot be run so (not on CPU, a fake-only argument, an error, a torch
-profiler already recording).
+from gradients of ones under the allocator's profiler: the most it holds beyond the gradients it returns. Every
+floating input requires a gradient, as for the saved-tensors table (fxopt.analysis.saved_tensors: with some
+frozen, an op may keep less). Cached per call (target, arguments, shapes, strides, dtypes, thread count). What
+the op draws from torch's, Python's and NumPy's generators is put back. None where it cannot be run so (not on
+CPU, a fake-only argument, an error, a torch profiler already recording).
 """
 from __future__ import annotations
 
