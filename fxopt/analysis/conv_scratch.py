@@ -31,39 +31,9 @@ import torch.fx as fx
 
 from .. import _torch_private
 from .ops import ConvCall
+from .replayed_calls import NotReplayable, argument_spec, real_argument, tensor_spec
 
 MEASURED_OPS = ("convolution", "convolution_backward")  # ATen ops whose CPU kernels allocate scratch
-
-
-class _NotMeasured(Exception):
-    pass
-
-
-def _tensor_spec(t) -> tuple:
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-        raise _NotMeasured
-    return ("tensor", tuple(map(_torch_private.size_hint, t.shape)),
-            tuple(map(_torch_private.size_hint, t.stride())), t.dtype)
-
-
-def _spec(value):
-    """A hashable description of a call argument (a node by its fake tensor), from which `_real` rebuilds it."""
-    if isinstance(value, fx.Node):
-        return _tensor_spec(value.meta.get("val"))
-    if isinstance(value, (list, tuple)):
-        return tuple(_spec(v) for v in value)
-    if value is None or isinstance(value, (bool, int, float)):
-        return value
-    raise _NotMeasured
-
-
-def _real(value):
-    if isinstance(value, tuple) and value and value[0] == "tensor":
-        _, shape, stride, dtype = value
-        return torch.empty_strided(shape, stride, dtype=dtype).fill_(1)
-    if isinstance(value, tuple):
-        return [_real(v) for v in value]
-    return value
 
 
 @functools.lru_cache(maxsize=1024)
@@ -71,7 +41,7 @@ def _measured(target, args: tuple, kwargs: tuple, threads: int) -> tuple[int, in
     """(the most bytes held at once, the bytes still held when it returns: its outputs) of one call at `threads`
     intra-op threads (ATen's and oneDNN's paths depend on it), or (0, 0) where it cannot be replayed."""
     with _torch_private.unset_fake_mode():
-        real_args, real_kwargs = [_real(a) for a in args], {k: _real(v) for k, v in kwargs}
+        real_args, real_kwargs = [real_argument(a) for a in args], {k: real_argument(v) for k, v in kwargs}
         try:
             with _torch_private.allocation_profile() as prof:
                 outputs = target(*real_args, **real_kwargs)  # held until the profile ends: `live` counts them
@@ -93,8 +63,9 @@ def call_peak(node: fx.Node) -> int:
     if node.op != "call_function" or _torch_private.aten_op_name(node.target) not in MEASURED_OPS:
         return 0
     try:
-        args, kwargs = _spec(tuple(node.args)), tuple(sorted((k, _spec(v)) for k, v in node.kwargs.items()))
-    except _NotMeasured:
+        args = argument_spec(tuple(node.args))
+        kwargs = tuple(sorted((k, argument_spec(v)) for k, v in node.kwargs.items()))
+    except NotReplayable:
         return 0
     return _measure(node.target, args, kwargs)[0]
 
@@ -110,8 +81,8 @@ def conv_backward_scratch(conv: ConvCall, input_grad: bool, weight_grad: bool) -
         return 0
     dims = conv.spatial_dims
     try:
-        x, weight, y = (_tensor_spec(n.meta.get("val")) for n in (conv.input, conv.weight, conv.node))
-    except _NotMeasured:
+        x, weight, y = (tensor_spec(n.meta.get("val")) for n in (conv.input, conv.weight, conv.node))
+    except NotReplayable:
         return 0
     args = (y, x, weight, None, _tuple(conv.stride, dims), _tuple(conv.padding, dims), _tuple(conv.dilation, dims),
             conv.transposed, _tuple(conv.output_padding, dims), conv.groups, (input_grad, weight_grad, False))

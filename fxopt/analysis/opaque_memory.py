@@ -24,6 +24,8 @@ import torch.fx as fx
 from .. import _torch_private
 from ..graph_functions import declared
 from ..host_rng import forked_host_rng
+from ..tree import tensors_in
+from .replayed_calls import NotReplayable, argument_spec, real_argument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,51 +36,18 @@ class OpaqueMemory:
     backward_scratch: int  # the most its backward holds beyond the gradients it returns
 
 
-class _NotMeasured(Exception):
-    pass
-
-
-def _spec(value):
-    """A hashable description of an argument (a node by its value), from which `_real` rebuilds it."""
-    if isinstance(value, fx.Node):
-        t = value.meta.get("val")
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-            raise _NotMeasured
-        return ("tensor", tuple(map(_torch_private.size_hint, t.shape)),
-                tuple(map(_torch_private.size_hint, t.stride())), t.dtype)
-    if isinstance(value, (list, tuple)):
-        return ("list", tuple(_spec(v) for v in value))
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise _NotMeasured
-
-
-def _real(spec, made: list[torch.Tensor]):
-    if isinstance(spec, tuple) and spec[0] == "tensor":
-        _, shape, stride, dtype = spec
-        t = torch.empty_strided(shape, stride, dtype=dtype).fill_(1)
-        t.requires_grad_(dtype.is_floating_point or dtype.is_complex)
-        made.append(t)
-        return t
-    if isinstance(spec, tuple) and spec[0] == "list":
-        return [_real(s, made) for s in spec[1]]
-    return spec
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    return [t for t in _torch_private.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
 @functools.lru_cache(maxsize=256)
 def _measured(target, args: tuple, threads: int) -> OpaqueMemory | None:
     """`measured` for one call (module docstring); `threads`: the intra-op thread count it ran at."""
     with _torch_private.unset_fake_mode(), torch.enable_grad(), torch.random.fork_rng(devices=[]), forked_host_rng():
-        inputs: list[torch.Tensor] = []
-        real_args = [_real(a, inputs) for a in args]
+        real_args = real_argument(args)
+        inputs = tensors_in(real_args)  # in argument order
+        for t in inputs:
+            t.requires_grad_(t.is_floating_point() or t.is_complex())
         saved: list[torch.Tensor] = []
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                outputs = _tensors(target(*real_args))
+                outputs = tensors_in(target(*real_args))
             differentiable = [o for o in outputs if o.requires_grad]
             seeds = [torch.ones_like(o) for o in differentiable]
             with _torch_private.allocation_profile() as prof:
@@ -106,7 +75,7 @@ def measured(node: fx.Node) -> OpaqueMemory | None:
     if helper is None or not helper.opaque or node.kwargs or _torch_private.profiler_running():
         return None
     try:
-        args = tuple(_spec(a) for a in node.args)
-    except _NotMeasured:
+        args = argument_spec(tuple(node.args))
+    except NotReplayable:
         return None
     return _measured(node.target, args, torch.get_num_threads())

@@ -142,12 +142,13 @@ class FoldConvBN(Pass):
             # precomputed only where a guard sees the statistics change: ATen's train-mode update of them bumps no
             # version, the module's batch counter is what moves (a functional BN without one: folded in the graph)
             counter = _batch_counter(gm, bn.running_mean)
-            precompute = ctx.mode == "inference" and ctx.guards_checked and counter is not None
+            guarded = ctx.mode == "inference" and ctx.guards_checked  # a precomputed fold is checked on every call
+            precompute = guarded and counter is not None
             self._record_guards(layer, bn, precompute, counter, ctx)
             self._fold(gm, layer, bn, precompute)
-            unguarded = ctx.mode == "inference" and ctx.guards_checked and not precompute
             result.record("folded", site_name(node), detail=f"{site_name(layer.node)} + {site_name(node)}" + (
-                ", as graph ops: no batch counter shows when its statistics change" if unguarded else ""))
+                ", as graph ops: no batch counter shows when its statistics change" if guarded and not precompute
+                else ""))
         if result.changed and ctx.mode == "inference":
             gm.delete_all_unused_submodules()
         return result
