@@ -49,6 +49,7 @@ _Label = tuple[int, int, int, tuple[Region, ...]]
 _KEPT = operator.itemgetter(0)
 _BY_COST = operator.itemgetter(1, 2)  # (cost, peak)
 _BY_PEAK = operator.itemgetter(2, 1)  # (peak, cost)
+_BY_KEPT_PEAK = operator.itemgetter(0, 2, 1)  # (kept, peak, cost)
 
 
 def _prune(labels: list[_Label], objective: str, most_kept: float) -> list[_Label]:
@@ -61,7 +62,7 @@ def _prune(labels: list[_Label], objective: str, most_kept: float) -> list[_Labe
     transformer blocks at budgets 0.3-0.7, each band's best alone missed the optimum at 0.65 by 54%.)"""
     score_of = _BY_COST if objective == "cost" else _BY_PEAK
     best, kept = None, []  # sorted by (kept, cost, peak) as tuples, or (kept, peak, cost)
-    for label in (sorted(labels) if objective == "cost" else sorted(labels, key=operator.itemgetter(0, 2, 1))):
+    for label in (sorted(labels) if objective == "cost" else sorted(labels, key=_BY_KEPT_PEAK)):
         if label[0] > most_kept:
             break
         score = score_of(label)
