@@ -20,5 +20,5 @@ def extract_regions(gm: fx.GraphModule, profile: StepProfile, regions: list[Regi
         steps = profile.steps[r.start:r.stop]
         nodes = [s.node for s in steps]
         extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", r.save_counted,
-                       r.replay_dropout, counted=[s.node for s in steps if s.counted])
+                       r.replay_dropout, counted=[profile.steps[p].node for p in profile.kept_steps(r)])
     gm.recompile()

@@ -15,6 +15,7 @@ from fxopt.analysis.memory import Region, step_profile
 from fxopt.analysis.region_overhead import RegionOverhead
 from fxopt.capture.saving import keep_graph_when_pickled
 from fxopt.passes._checkpoint_region import CheckpointedRegion, extract_region
+from fxopt.passes._kept_outputs import product_once
 
 from equivalence import assert_same_step
 from graph_forms import function_form
@@ -47,11 +48,13 @@ LAYERS = {
 }
 
 
-def _one_selective_region(model: nn.Module, x: torch.Tensor) -> fxopt.OptimizedModule:
+def _one_selective_region(model: nn.Module, x: torch.Tensor, keep_costly_only: bool = False
+                          ) -> fxopt.OptimizedModule:
     """`model` captured, all its nodes in one selective region that keeps what the memory model counts."""
     opt = fxopt.optimize(model, (x,), mode="training", passes=[])
     profile = step_profile(opt.graph_module)
-    extract_regions(opt.graph_module, profile, [Region(0, len(profile.steps), save_counted=True)])
+    extract_regions(opt.graph_module, profile,
+                    [Region(0, len(profile.steps), save_counted=True, keep_costly_only=keep_costly_only)])
     return opt
 
 
@@ -196,22 +199,40 @@ def test_double_backward_is_a_clear_error():
 
 
 def _convolution_output_model():
-    """A graph whose last op, a convolution, is its output: a selective region over it keeps the tensor returned.
-    (model, its optimized form, an input)"""
+    """A graph whose last op, a convolution, is its output: a selective region over it keeps the first convolution's
+    output. (model, its optimized form, an input)"""
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Tanh(), nn.Conv2d(8, 4, 1)).double().train(), torch.randn(
         2, 3, 8, 8, dtype=torch.float64)
     return model, _one_selective_region(model, x), x
 
 
+class _ReturnedAndRead(nn.Module):
+    """`op`'s output returned, and read by a tanh (which saves its own result) in the same region."""
+
+    def __init__(self, op: nn.Module):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        y = self.op(x)
+        return y, y.tanh()
+
+
+def _written_then_backward(model: nn.Module, x: torch.Tensor) -> None:
+    """`model`'s returned output written in place, then a backward through both outputs."""
+    out, read = model(x.clone().requires_grad_())
+    out.mul_(2)
+    (out.sum() + read.sum()).backward()
+
+
 def test_output_written_in_place_is_a_clear_error():
     """Writing a kept convolution output in place before the backward fails with a message naming it, never a
     gradient computed from the changed values."""
-    _, opt, x = _convolution_output_model()
-    out = opt(x.clone().requires_grad_())
-    out.mul_(2)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    opt = _one_selective_region(_ReturnedAndRead(nn.Conv2d(3, 4, 3)).double().train(), x)
     with pytest.raises(RuntimeError, match="written in place after the region's forward"):
-        out.sum().backward()
+        _written_then_backward(opt, x)
 
 
 def test_second_backward_is_a_clear_error():
@@ -328,6 +349,26 @@ def test_products_step_is_bit_exact_in_float32(kind):
     assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == []
 
 
+def test_region_keeping_costly_products_only_is_bit_exact():
+    """A region over attention with four narrow heads that keeps its costly products only recomputes the score
+    matmul (light: StepProfile.light) and keeps the rest, and two training steps give eager's outputs and gradients
+    bit for bit."""
+    torch.manual_seed(0)
+    model, x = _Products(_narrow_heads_attention, {n: (16, 16) for n in "qkv"}).train(), torch.randn(2, 24, 16)
+    opt = _one_selective_region(model, x, keep_costly_only=True)
+    kept = [n.args[2] for n in _region(opt).body.graph.nodes if n.target is product_once]
+    assert kept == ["linear", "linear_1", "linear_2", "matmul_1", "linear_3", "linear_4", "linear_5", "matmul_3"]
+    expected, got = _steps(model, x), _steps(opt, x)
+    assert [k for k, v in expected.items() if not torch.equal(got[k], v)] == []
+
+
+def _narrow_heads_attention(m, x):
+    """Self-attention over four heads a quarter of the width wide: the score matmul is light."""
+    b, t, width = x.shape
+    q, k, v = (F.linear(x, m.weights[n]).view(b, t, 4, width // 4).transpose(1, 2) for n in "qkv")
+    return torch.matmul(torch.matmul(q, k.transpose(-1, -2)).softmax(-1), v).transpose(1, 2).reshape(b, t, width)
+
+
 def test_products_under_autocast_match_eager():
     """Under bfloat16 autocast the region's products run as the model's did (recomputed with the rest), so two steps
     give eager's outputs and gradients bit for bit."""
@@ -343,14 +384,29 @@ def test_products_under_autocast_match_eager():
 
 def test_kept_product_written_in_place_is_a_clear_error():
     """Writing a kept product's output in place before the backward fails with a message naming it."""
+    x = torch.randn(2, 4, dtype=torch.float64)
+    opt = _one_selective_region(_ReturnedAndRead(nn.Linear(4, 8)).double().train(), x)
+    with pytest.raises(RuntimeError, match="written in place after the region's forward"):
+        _written_then_backward(opt, x)
+
+
+def test_last_product_is_not_kept_and_may_be_written():
+    """A region's last product, which checkpoint's early stop never recomputes, is not kept (the region holds no
+    memory for it): its output written in place after the forward gives eager's gradients in float64."""
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double().train(), torch.randn(
         2, 4, dtype=torch.float64)
     opt = _one_selective_region(model, x)
-    out = opt(x.clone().requires_grad_())
-    out.mul_(2)
-    with pytest.raises(RuntimeError, match="written in place after the region's forward"):
-        out.sum().backward()
+    assert [n.args[2] for n in _region(opt).body.graph.nodes if n.target is product_once] == ["linear"]
+
+    def grads(m):
+        m.zero_grad(set_to_none=True)
+        out = m(x)
+        out.mul_(2)
+        (out * out).sum().backward()
+        return [p.grad for p in m.parameters()]
+
+    assert [torch.equal(a, b) for a, b in zip(grads(opt), grads(model))] == [True] * 4
 
 
 @pytest.mark.parametrize("name", ["BERT", "GPT-2", "ViT"])

@@ -5,11 +5,13 @@ import pytest
 import torch
 
 import fxopt
+from fxopt.analysis import memory
 from fxopt.analysis.memory import estimate, step_profile
 from fxopt.analysis.saved_tensors import saved_bytes, saved_copies
 from fxopt._torch_private import allocation_peak, allocation_profile
 from fxopt.measure import measure_allocator_peak
 
+from equivalence import assert_same_training_steps
 from named_regions import extract_regions, named_regions
 
 
@@ -81,11 +83,42 @@ def test_selective_regions_over_whole_layers_do_not_cache_the_copies():
     assert predicted == measured
 
 
-def _predicted_and_measured_forward_peak(bounds) -> tuple[int, int]:
+def test_score_matmul_is_the_light_step():
+    """Of the products of attention over a sequence longer than the heads are wide, the score matmul alone is
+    light: cheap to recompute for the sequence-square it would keep (StepProfile.light)."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(Attention(), Attention()).train(), torch.randn(2, 200, 256)
+    profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module)
+    assert [s.node.name for s, light in zip(profile.steps, profile.light) if light] == ["matmul", "matmul_2"]
+
+
+def test_region_keeping_costly_ops_only_recomputes_the_scores():
+    """A selective region over a whole attention layer keeping its costly ops only keeps the projections and the
+    probabilities' product, not the scores, and its predicted forward peak is the measured one, to the byte."""
+    predicted, measured = _predicted_and_measured_forward_peak((("linear", "add"), ("linear_3", "add_1"),
+                                                                ("linear_6", "add_2")), keep_costly_only=True)
+    assert predicted == measured
+
+
+def test_region_ending_in_a_product_does_not_keep_it():
+    """Selective regions over each layer's q, k and v projections keep the q and k outputs, which their
+    recomputation runs, and not v's, which checkpoint's early stop never reaches (the first layer's save only the
+    graph's input, which stops it all the same): predicted forward peak equal to the measured one, to the byte."""
+    bounds = (("linear", "linear_2"), ("linear_3", "linear_5"), ("linear_6", "linear_8"))
+    predicted, measured = _predicted_and_measured_forward_peak(bounds)
+    assert predicted == measured
+    opt, _ = _graph(depth=3)
+    profile = step_profile(opt.graph_module)
+    kept = [[profile.steps[p].node.name for p in profile.kept_steps(r)]
+            for r in named_regions(profile, bounds, save_counted=True)]
+    assert kept == [["linear", "linear_1"], ["linear_3", "linear_4"], ["linear_6", "linear_7"]]
+
+
+def _predicted_and_measured_forward_peak(bounds, **kind) -> tuple[int, int]:
     """Selective regions (first node, last node) on three attention layers: estimated and measured forward peak."""
     opt, x = _graph(depth=3)
     profile = step_profile(opt.graph_module)
-    regions = named_regions(profile, bounds, save_counted=True)
+    regions = named_regions(profile, bounds, save_counted=True, **kind)
     predicted = estimate(profile, regions).forward_peak
     extract_regions(opt.graph_module, profile, regions)
     return predicted, _allocator_forward_peak(opt, x)
@@ -145,3 +178,17 @@ def test_selective_regions_drop_their_cached_outputs_while_recomputing(bounds):
     predicted = estimate(profile, regions).peak
     extract_regions(opt.graph_module, profile, regions)
     assert predicted == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.1)
+
+
+def test_planner_recomputes_light_scores_and_says_so(monkeypatch):
+    """Priced by FLOPs at budget 0.8, the pass keeps an attention layer's costly products and recomputes its light
+    score matmul, names it in the report, and two training steps equal eager's in float64."""
+    monkeypatch.setattr(memory, "node_seconds", lambda gm: None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Attention() for _ in range(3)]).double().train()
+    x = torch.randn(2, 200, 256, dtype=torch.float64)
+    opt = fxopt.optimize(model, (x,), mode="training", memory_budget=0.8)
+    (checkpoint,) = [p for p in opt.fxopt_report.passes if p.name == "checkpoint_activations"]
+    assert [s.node for s in checkpoint.sites if "light ones recomputed (matmul)" in s.detail] == [
+        "checkpointed_matmul_to_matmul_1"]
+    assert_same_training_steps(model, opt, (x,))

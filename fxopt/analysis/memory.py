@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import statistics
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
@@ -91,6 +92,8 @@ class Step:
     # scratch; fxopt.analysis.backward_temporaries for other ops)
     region_state: int = 0  # what a region holding it keeps from its forward to its backward's end: of a train-mode
     # BatchNorm, what it replays from or copies of its running statistics (batch_norm_once)
+    packs: bool = False  # autograd saves some tensor for its backward, a parameter or graph input (not in `saved`:
+    # they cost no memory) included: what checkpoint's early stop counts
 
     @property
     def replay_saving(self) -> int:
@@ -113,13 +116,15 @@ class Step:
 
 class Region(NamedTuple):
     """Steps [start, stop) recomputed in backward; `save_counted`: except matmul/conv/attention outputs;
-    `replay_dropout`: its CPU dropouts keep their masks and replay from them (else they draw again).
+    `replay_dropout`: its CPU dropouts keep their masks and replay from them (else they draw again);
+    `keep_costly_only`: with `save_counted`, the light ones among those (StepProfile.light) are recomputed too.
     A tuple: the planner hashes one per candidate and label."""
 
     start: int
     stop: int
     save_counted: bool = False
     replay_dropout: bool = True
+    keep_costly_only: bool = False
 
 
 @dataclasses.dataclass
@@ -163,28 +168,59 @@ class StepProfile:
 
     def _region_sets(self, r: Region) -> tuple[frozenset, frozenset, int]:
         if r not in self._regions:
-            inputs, counted, masks, recomputes, recomputed_bytes = self._span_sets(r.start, r.stop)
+            inputs, masks, recomputes, recomputed_bytes = self._span_sets(r.start, r.stop)
             keeps = inputs | self.region_state(r)
-            if r.save_counted and counted:
-                keeps = keeps | counted
+            if r.save_counted:
+                keeps = keeps | self._kept_outputs(r)
             if r.replay_dropout and masks:
                 keeps = keeps | masks
             self._regions[r] = (keeps, recomputes, recomputed_bytes)
         return self._regions[r]
 
     def _span_sets(self, start: int, stop: int) -> tuple:
-        """What steps [start, stop) read from before them, make in counted ops, keep as dropout masks and
-        save, with the bytes saved: shared by every kind of region over the span."""
+        """What steps [start, stop) read from before them, keep as dropout masks and save, with the bytes saved:
+        shared by every kind of region over the span."""
         if (start, stop) not in self._spans:
             steps = self.steps[start:stop]
             made = frozenset().union(*(s.creates for s in steps))
             recomputes = frozenset().union(*(s.saved for s in steps))
             self._spans[start, stop] = (frozenset().union(*(s.reads for s in steps)) - made,
-                                        # a counted op's outputs, not the copies of inputs it saves
-                                        frozenset(k for s in steps if s.counted for k in s.creates if not _is_copy(k)),
                                         frozenset().union(*(s.mask for s in steps)), recomputes,
                                         self.bytes_of(recomputes))
         return self._spans[start, stop]
+
+    def keeps_itself(self, r: Region) -> bool:
+        """Whether a selective region over r's steps keeps its ops' outputs itself (outputs_kept_by_region): every
+        counted step its recomputation runs is one it can keep; else torch's selective policy keeps them."""
+        return self._sum(self._counted_not_kept_prefix, self.recomputed_steps(r)) == 0
+
+    def kept_steps(self, r: Region) -> list[int]:
+        """The counted steps whose outputs a selective region keeps. Where it keeps them itself (keeps_itself),
+        those its recomputation runs (recomputed_steps), less the light ones with `keep_costly_only`: checkpoint's
+        early stop never reaches the others, which need nothing kept (the last linear of a transformer layer's
+        MLP). Under torch's selective policy, every counted step's output."""
+        if not r.save_counted:
+            return []
+        if not self.keeps_itself(r):
+            return [p for p in range(r.start, r.stop) if self.steps[p].counted]
+        return [p for p in self.recomputed_steps(r) if self.steps[p].counted
+                and not (r.keep_costly_only and self.light[p])]
+
+    def _kept_outputs(self, r: Region) -> frozenset:
+        """What a selective region keeps of its counted steps (kept_steps): their outputs, not the copies of inputs
+        they save."""
+        if r not in self._kept:
+            self._kept[r] = frozenset(k for p in self.kept_steps(r) for k in self.steps[p].creates if not _is_copy(k))
+        return self._kept[r]
+
+    def _kept_prices(self, r: Region) -> tuple[int, int]:
+        """(recompute cost, FLOPs) of the counted steps a region keeps (kept_steps) that its recomputation would
+        otherwise run."""
+        if r not in self._kept_price:
+            run = self.recomputed_steps(r)
+            kept = [self.steps[p] for p in self.kept_steps(r) if p in run]
+            self._kept_price[r] = (sum(s.recompute_cost for s in kept), sum(s.flops for s in kept))
+        return self._kept_price[r]
 
     def recomputed_steps(self, r: Region) -> range:
         """The steps a region's recomputation runs. Checkpoint stops it once the last tensor the forward saved is
@@ -201,8 +237,7 @@ class StepProfile:
         selective region keeps and what replays save (Step.replay_saving: BatchNorms always, dropouts where the
         region keeps their masks), plus the region's own overhead."""
         run = self.recomputed_steps(r)
-        recomputed = self._sum(self._cost_prefix, run) - (self._sum(self._counted_cost_prefix, run)
-                                                          if r.save_counted else 0)
+        recomputed = self._sum(self._cost_prefix, run) - self._kept_prices(r)[0]
         replayed = self._sum(self._statistics_replay_saving_prefix, run)
         if r.replay_dropout:
             replayed += self._sum(self._dropout_replay_saving_prefix, run)
@@ -218,7 +253,7 @@ class StepProfile:
     def overhead_per_op(self, r: Region) -> float:
         """Seconds the region adds per op it holds: a selective one that keeps an op it cannot keep itself runs every
         op through torch's selective checkpoint dispatch mode (fxopt.analysis.kept_outputs)."""
-        dispatched = r.save_counted and self._sum(self._counted_not_kept_prefix, r) > 0  # outputs_kept_by_region
+        dispatched = r.save_counted and not self.keeps_itself(r)
         return self.overhead.selective_per_op if dispatched else self.overhead.per_op
 
     def has_replayable_dropout(self, r: Region) -> bool:
@@ -228,18 +263,17 @@ class StepProfile:
 
     def region_flops(self, r: Region) -> int:
         """FLOPs of the steps a region recomputes, less the counted ones a selective region keeps."""
-        run = self.recomputed_steps(r)
-        return self._sum(self._flops_prefix, run) - (self._sum(self._counted_flops_prefix, run) if r.save_counted else 0)
+        return self._sum(self._flops_prefix, self.recomputed_steps(r)) - self._kept_prices(r)[1]
 
     def __post_init__(self):
         self._regions: dict = {}  # Region -> (keeps, recomputes, bytes recomputed)
         self._spans: dict = {}  # (start, stop) -> _span_sets
+        self._kept: dict = {}  # Region -> _kept_outputs
+        self._kept_price: dict = {}  # Region -> _kept_prices
         self._holders: dict = {}  # (start, stop) -> _span_holders
         self._deltas: dict = {}  # (held, segment) -> segment_delta
         self._aboves: dict = {}  # (region, the held tensors it saves or makes) -> _region_above
         self._cost_prefix = list(itertools.accumulate((s.recompute_cost for s in self.steps), initial=0))
-        self._counted_cost_prefix = list(itertools.accumulate((s.recompute_cost * s.counted for s in self.steps),
-                                                              initial=0))
         self._dropout_replay_saving_prefix = list(itertools.accumulate((s.replay_saving if s.mask else 0
                                                                         for s in self.steps), initial=0))
         self._statistics_replay_saving_prefix = list(itertools.accumulate((0 if s.mask else s.replay_saving
@@ -248,10 +282,10 @@ class StepProfile:
         self._unreplayed_random_prefix = list(itertools.accumulate(map(draws_unreplayed, (s.node for s in self.steps)),
                                                                    initial=0))
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
-        self._counted_flops_prefix = list(itertools.accumulate((s.flops * s.counted for s in self.steps), initial=0))
         self._counted_not_kept_prefix = list(itertools.accumulate(
             (s.counted and kept_output(s.node) is None for s in self.steps), initial=0))
-        self._last_saver = list(itertools.accumulate((p if s.saved else -1 for p, s in enumerate(self.steps)), max,
+        self.light = _light_steps(self.steps, self.nbytes)
+        self._last_saver = list(itertools.accumulate((p if s.packs else -1 for p, s in enumerate(self.steps)), max,
                                                      initial=-1))  # [p]: the last step before p that saves
         self._saves_what_it_makes = [bool(s.saved & s.creates) for s in self.steps]
         # each step's backward holds the gradients and what it allocates beyond them (Step.backward_scratch)
@@ -295,12 +329,11 @@ class StepProfile:
         something has saved its inputs (checkpoint's early stop), so outputs of that step and later ones stay
         cached, and so do graph outputs. The masks of the dropouts it replays are not in that cache: the region
         holds them (RegionRun.scratch) until its backward ends, as it holds its inputs."""
-        saving = [q for q in range(r.start, r.stop) if self.steps[q].saved]
+        saving = [q for q in range(r.start, r.stop) if self.steps[q].packs]
         if not r.save_counted or not saving:
             return frozenset()
         made = frozenset().union(*(self.steps[q].creates for q in range(r.start, saving[-1])))
-        counted_outputs = self._span_sets(r.start, r.stop)[1]
-        return frozenset(k for k in made & counted_outputs if self.last_read[k] < len(self.steps))
+        return frozenset(k for k in made & self._kept_outputs(r) if self.last_read[k] < len(self.steps))
 
     def _region_backward_peak(self, r: Region, counted: frozenset) -> int:
         """Live bytes above `counted` during a region's backward: its recomputation makes again what its
@@ -355,6 +388,17 @@ class StepProfile:
     @staticmethod
     def _sum(prefix: list[int], span: Region | range) -> int:
         return prefix[span.stop] - prefix[span.start]
+
+
+def _light_steps(steps: list[Step], nbytes: dict) -> list[bool]:
+    """Per step: whether it is a light counted step, one whose recompute cost per byte of its output is under half
+    the median of the counted steps'. Such an op is cheap to recompute for what keeping it holds (attention's score
+    matmul: two 64-wide heads in, a sequence-square out), so a selective region may recompute it rather than keep it
+    (Region.keep_costly_only). Half: projections of one width differ by timing noise alone, and must not split."""
+    price = {p: s.recompute_cost / size for p, s in enumerate(steps)
+             if s.counted and (size := sum(nbytes[k] for k in s.outputs))}
+    bar = statistics.median(price.values()) / 2 if price else 0
+    return [price.get(p, bar) < bar for p in range(len(steps))]
 
 
 class SegmentEffect(NamedTuple):  # a tuple: the planner makes one per step and label
@@ -449,6 +493,7 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
         outputs = frozenset(creates)
         reads = {_storage(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))} - free
         saved = _saved_keys(node, free, nbytes) if node in needs_grad else set()
+        packs = node in needs_grad and (bool(saved) or _saves_any(node))
         creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
         mask = _replay_mask(node, nbytes)
         creates |= mask
@@ -458,7 +503,7 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
                           seconds.get(node.name, 0.0) if timed else None, mask,
                           seconds.get(replay_key(node.name)) if timed else None, outputs,
                           _backward_scratch(node, grad_needs) if node in needs_grad else None,
-                          _statistics_kept(node)))
+                          _statistics_kept(node), packs))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -538,6 +583,12 @@ def _saved_keys(node: fx.Node, free: set, nbytes: dict) -> set:
             nbytes[kind, node.name] = size
             keys.add((kind, node.name))
     return keys
+
+
+def _saves_any(node: fx.Node) -> bool:
+    """Whether autograd saves any tensor for `node`'s backward, free ones (parameters, graph inputs) included."""
+    info = saved_for_backward(node)
+    return info.saves_output or any(_tensors(a.meta.get("val")) for a in info.saved_inputs)
 
 
 def _replay_mask(node: fx.Node, nbytes: dict) -> frozenset:

@@ -151,7 +151,8 @@ def plan_candidates(gm: fx.GraphModule, example_inputs: list) -> list[Candidate]
         tags = {}
         for k, region in enumerate(regions, start=1):
             for p in range(region.start, region.stop):
-                save = region.save_counted and profile.steps[p].counted
+                save = region.save_counted and profile.steps[p].counted and not (region.keep_costly_only
+                                                                                 and profile.light[p])
                 tags[p] = (CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE, k)
         out.append(Candidate(tags, sum(profile.region_cost(r) for r in regions), name))
     return out

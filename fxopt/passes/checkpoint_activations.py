@@ -265,8 +265,11 @@ class CheckpointActivations(Pass):
             nodes = [s.node for s in steps]
             name = _region_name(gm, profile, region)
             call = extract_region(gm, nodes, name, region.save_counted, region.replay_dropout,
-                                  counted=[s.node for s in steps if s.counted])
+                                  counted=[profile.steps[p].node for p in profile.kept_steps(region)])
             kind_text = gm.get_submodule(name).kind
+            if region.keep_costly_only:
+                light = [profile.steps[p].node.name for p in profile.recomputed_steps(region) if profile.light[p]]
+                kind_text += f", light ones recomputed ({', '.join(light)})"
             if profile.has_replayable_dropout(region):
                 kind_text += ", dropout masks kept" if region.replay_dropout else ", dropout drawn again"
             result.record("checkpointed", call, detail=f"{len(nodes)} nodes {nodes[0].name}..{nodes[-1].name}, "
