@@ -7,6 +7,7 @@ import torch
 import fxopt
 from fxopt.analysis import memory
 from fxopt.analysis.memory import estimate, step_profile
+from fxopt.passes._checkpoint_plan import untimed
 from fxopt.analysis.saved_tensors import saved_bytes, saved_copies
 from fxopt._torch_private import allocation_peak, allocation_profile
 from fxopt.measure import measure_allocator_peak
@@ -85,11 +86,14 @@ def test_selective_regions_over_whole_layers_do_not_cache_the_copies():
 
 def test_score_matmul_is_the_light_step():
     """Of the products of attention over a sequence longer than the heads are wide, the score matmul alone is
-    light: cheap to recompute for the sequence-square it would keep (StepProfile.light)."""
+    light: cheap to recompute for the sequence-square it would keep (StepProfile.light), whether the profile is
+    priced by a clock or by FLOPs (what a region keeps must not depend on its price)."""
     torch.manual_seed(0)
     model, x = torch.nn.Sequential(Attention(), Attention()).train(), torch.randn(2, 200, 256)
-    profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module)
-    assert [s.node.name for s, light in zip(profile.steps, profile.light) if light] == ["matmul", "matmul_2"]
+    profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module, timed=True)
+    assert profile.timed
+    for priced in (profile, untimed(profile)):
+        assert [s.node.name for s, light in zip(priced.steps, priced.light) if light] == ["matmul", "matmul_2"]
 
 
 def test_region_keeping_costly_ops_only_recomputes_the_scores():

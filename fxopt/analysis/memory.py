@@ -10,7 +10,7 @@ live anyway and cost nothing (as in `fxopt.measure`).
 
 * a kept tensor is alive from the forward that makes it until the backward of its *first*
   holder (backward runs last node first); a holder is a node that is not checkpointed and saves
-  it, or a region that keeps it (its inputs, and in a selective region its matmul outputs);
+  it, or a region that keeps it (its inputs, and in a selective region the matmul outputs it keeps: kept_steps);
 * the backward of a node at position p holds every kept tensor whose first holder is at or
   before p, plus the gradients of the tensors crossing p and of the trainable parameters it
   reads (`grad_live`: made before they accumulate into `.grad`), plus what a convolution's backward
@@ -284,9 +284,10 @@ class StepProfile:
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_not_kept_prefix = list(itertools.accumulate(
             (s.counted and kept_output(s.node) is None for s in self.steps), initial=0))
-        self.light = _light_steps(self.steps, self.nbytes)
+        self.light = _light_steps(self.steps, self.nbytes)  # per step: a light counted op (Region.keep_costly_only)
+        # [p]: the last step before p that saves a tensor (Step.packs)
         self._last_saver = list(itertools.accumulate((p if s.packs else -1 for p, s in enumerate(self.steps)), max,
-                                                     initial=-1))  # [p]: the last step before p that saves
+                                                     initial=-1))
         self._saves_what_it_makes = [bool(s.saved & s.creates) for s in self.steps]
         # each step's backward holds the gradients and what it allocates beyond them (Step.backward_scratch)
         self._backward_above = [g + (s.backward_scratch or 0) for g, s in zip(self.grad_live, self.steps)]
@@ -391,11 +392,12 @@ class StepProfile:
 
 
 def _light_steps(steps: list[Step], nbytes: dict) -> list[bool]:
-    """Per step: whether it is a light counted step, one whose recompute cost per byte of its output is under half
-    the median of the counted steps'. Such an op is cheap to recompute for what keeping it holds (attention's score
+    """Per step: whether it is a light counted step, one whose FLOPs per byte of its output are under half the
+    median of the counted steps'. Such an op is cheap to recompute for what keeping it holds (attention's score
     matmul: two 64-wide heads in, a sequence-square out), so a selective region may recompute it rather than keep it
-    (Region.keep_costly_only). Half: projections of one width differ by timing noise alone, and must not split."""
-    price = {p: s.recompute_cost / size for p, s in enumerate(steps)
+    (Region.keep_costly_only). By FLOPs, not measured times: what a region keeps must not depend on how it is
+    priced (StepProfile.repriced shares the memory caches)."""
+    price = {p: s.flops / size for p, s in enumerate(steps)
              if s.counted and (size := sum(nbytes[k] for k in s.outputs))}
     bar = statistics.median(price.values()) / 2 if price else 0
     return [price.get(p, bar) < bar for p in range(len(steps))]

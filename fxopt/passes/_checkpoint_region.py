@@ -204,8 +204,8 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
     `replay_dropout`: its CPU dropouts keep their masks (dropout_once), else they draw again. A selective region
     (`save_counted`) keeps the outputs of `counted`, the matmuls, convolutions and attention among `nodes` whose
     outputs it keeps (StepProfile.kept_steps): itself where it can keep each (outputs_kept_by_region), else (or
-    without `counted`) by torch's selective checkpoint policy. The call (and its items) carry the `meta["val"]` of the outputs they
-    stand for: a region computes the same values.
+    without `counted`) by torch's selective checkpoint policy. The call (and its items) carry the `meta["val"]` of
+    the outputs they stand for: a region computes the same values.
 
     Lone state updates among them (is_lone_state_update) move in front of the call, run once."""
     updates = [n for n in nodes if is_lone_state_update(n)]
