@@ -114,6 +114,23 @@ def test_refuses_when_the_copy_is_returned():
     assert reasons(optimize(Returned().double(), IMAGE, "inference")) == {"graph_output"}
 
 
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_padding_of_a_view_of_a_dropped_padding(mode):
+    """A zero padding of a view of another, which goes first: the second is judged on the graph as it is then
+    (it crashed on the first's erased node, fuzz seed 5122831), both go, and the step equals eager's."""
+
+    class PadOfAView(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            copy = F.pad(self.conv(x), (0, 0, 0, 0))
+            return F.pad(copy.flatten(2), (0, 0)).sum(-1)
+
+    assert report(optimize(PadOfAView().double(), IMAGE, mode)).stats["dropped"] == 2
+
+
 def test_in_both_default_pipelines():
     """Both default pipelines drop zero pads, in training before the checkpoint planner prices the step."""
     assert all("drop_zero_pads" in names for names in DEFAULT_PIPELINES.values())

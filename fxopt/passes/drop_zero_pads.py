@@ -61,17 +61,19 @@ class DropZeroPads(Pass):
     summary = "Remove paddings of width zero, which only copy their input."
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        result = PassResult()
-        aliases = AliasInfo(gm)
+        result, aliases = PassResult(), None
         for node in list(gm.graph.nodes):
             x = _zero_width_input(node)
             if x is None:
                 continue
+            if aliases is None:  # of the graph as the drops before left it
+                aliases = AliasInfo(gm)
             reason, detail = _refusal(node, x, aliases, gm)
             if reason:
                 result.record("refused", site_name(node), reason, detail)
                 continue
             node.replace_all_uses_with(x)
             gm.graph.erase_node(node)
+            aliases = None
             result.record("dropped", site_name(node), detail=f"users read {x.name} instead of its copy")
         return result
