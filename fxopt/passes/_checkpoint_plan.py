@@ -41,7 +41,7 @@ from ..analysis.memory import Region, StepProfile, estimate
 
 MAX_LABELS = 64  # bands of bytes kept per position and held tensors: bounds the search at a small loss of optimality
 # (48 missed the optimum on three transformer blocks at budget 0.65 by 9% once selective regions could keep their
-# costly ops only; 64 finds it, at +0.1 s of HF ViT's or MobileNetV2's planning)
+# costly ops only; 64 finds it, at +0.1-0.3 s of HF MobileNetV2's, BERT's or ViT's planning)
 MAX_BOUNDARIES = 48  # region starts/stops considered: the search grows with their square, not the depth's
 
 

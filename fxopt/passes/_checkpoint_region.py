@@ -202,9 +202,9 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
                    replay_dropout: bool = True, counted: Iterable[fx.Node] | None = None) -> fx.Node:
     """Replace `nodes` (contiguous in graph order) with one call of a CheckpointedRegion; return that call.
     `replay_dropout`: its CPU dropouts keep their masks (dropout_once), else they draw again. A selective region
-    (`save_counted`) keeps the outputs of `counted`, the matmuls, convolutions and attention among `nodes` whose
-    outputs it keeps (StepProfile.kept_steps): itself where it can keep each (outputs_kept_by_region), else (or
-    without `counted`) by torch's selective checkpoint policy. The call (and its items) carry the `meta["val"]` of
+    (`save_counted`) keeps the outputs of `counted` (the matmuls, convolutions and attention among `nodes` that
+    StepProfile.kept_steps names): itself where it can keep each (outputs_kept_by_region), else (or without
+    `counted`) by torch's selective checkpoint policy. The call (and its items) carry the `meta["val"]` of
     the outputs they stand for: a region computes the same values.
 
     Lone state updates among them (is_lone_state_update) move in front of the call, run once."""
