@@ -12,6 +12,7 @@ import transformers
 
 import fxopt
 from corpus_models import LastHiddenState
+from fxopt.analysis import memory
 from fxopt.analysis.memory import estimate, step_profile
 from fxopt.measure import measure_allocator_peak
 from fxopt.pipeline.run import from_model
@@ -126,3 +127,28 @@ def test_predicted_peak_within_ten_percent_with_a_custom_autograd_function(budge
     peak = lambda m: measure_allocator_peak(m, TOKENS, forward=lambda x: (m(x) ** 2).mean())  # noqa: E731
     assert figures["peak_estimate_before"] == pytest.approx(peak(model), rel=0.1)
     assert figures["peak_estimate_after"] == pytest.approx(peak(opt), rel=0.1)
+
+
+def test_bert_recomputing_a_light_score_matmul_is_eager_with_dropout(monkeypatch):
+    """HF BERT with attention dropout, priced by FLOPs at budget 0.6: the plan recomputes a score matmul in a region
+    keeping its costly products only (its dropout mask kept), and a step drawing from the same seed gives eager's
+    outputs and gradients exactly in float64."""
+    monkeypatch.setattr(memory, "node_seconds", lambda gm: None)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=500, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=256, max_position_embeddings=128, attn_implementation="eager")
+    model = LastHiddenState(transformers.BertModel(config, add_pooling_layer=False)).double().train()
+    tokens = torch.randint(0, 500, (2, 96))
+    opt = fxopt.optimize(model, (tokens,), mode="training", memory_budget=0.6)
+    (checkpoint,) = [p for p in opt.fxopt_report.passes if p.name == "checkpoint_activations"]
+    assert [s.node for s in checkpoint.sites if "light ones recomputed (matmul), dropout masks kept" in s.detail] == [
+        "checkpointed_transpose_3_to_matmul_1"]
+
+    def step(m):
+        torch.manual_seed(1)
+        m.zero_grad(set_to_none=True)
+        out = m(tokens)
+        out.pow(2).sum().backward()
+        return [out.detach(), *(p.grad for p in m.parameters())]
+
+    assert [torch.equal(a, b) for a, b in zip(step(opt), step(model))] == [True] * (1 + len(list(model.parameters())))
