@@ -282,7 +282,7 @@ def test_inplace_op_joins_only_a_region_that_made_what_it_writes():
     gm = _graph(fxopt.optimize(Mutating(), (torch.randn(32, 64),), mode="training", passes=[]))
     profile = step_profile(gm)
     at = {s.node.name: p for p, s in enumerate(profile.steps)}
-    writes = KeptWrites(gm, profile.steps)
+    writes = KeptWrites(gm, profile)
     assert writes.write_inside(Region(at["mul_"], at["mul_"] + 1)) is not None  # add made h outside
     assert writes.write_inside(Region(at["add"], at["mul_"] + 1)) is None  # the region makes h itself
     assert writes.write_inside(Region(at["linear"], at["mul_"] + 1, save_counted=True)) is None  # h: not cached
@@ -297,7 +297,8 @@ def test_inplace_op_joins_only_a_region_that_made_what_it_writes():
 
 
 def test_selective_region_never_writes_its_cached_output():
-    """`h = linear(x); h.mul_(2)`: a selective region caches h, so it may not hold the write; a whole one may."""
+    """`h = linear(x); h.mul_(2)`: a selective region caches h, so it may not hold the write; a whole one may, and so
+    may a selective one ending at the linear, which does not keep h."""
     from fxopt.analysis.memory import Region, step_profile
     from fxopt.passes._checkpoint_writes import KeptWrites
 
@@ -314,10 +315,12 @@ def test_selective_region_never_writes_its_cached_output():
     gm = _graph(fxopt.optimize(WritesMatmulOutput(), (torch.randn(32, 64),), mode="training", passes=[]))
     profile = step_profile(gm)
     at = {s.node.name: p for p, s in enumerate(profile.steps)}
-    writes = KeptWrites(gm, profile.steps)
+    writes = KeptWrites(gm, profile)
     assert writes.write_inside(Region(at["linear"], at["mul_"] + 1)) is None
     value, writer = writes.write_inside(Region(at["linear"], at["mul_"] + 1, save_counted=True))
     assert (value.name, writer.name) == ("linear", "mul_")
+    # ending at the linear, which checkpoint's early stop never recomputes, it keeps nothing of h: no conflict
+    assert writes.conflict(Region(at["tanh"], at["linear"] + 1, save_counted=True)) is None
 
 
 @torch.library.custom_op("fxopt_test_checkpoint::scale", mutates_args=())

@@ -75,9 +75,9 @@ def test_region_keeping_a_later_written_tensor_is_refused(shape, save_counted):
     _, (first, last), kept, writer = SHAPES[shape]
     region = _region(profile, first, last, save_counted)
     if shape == "output_written_later" and not save_counted:
-        assert KeptWrites(gm, profile.steps).conflict(region) is None  # a whole region recomputes fc1: fine
+        assert KeptWrites(gm, profile).conflict(region) is None  # a whole region recomputes fc1: fine
         return
-    value, by = KeptWrites(gm, profile.steps).conflict(region)
+    value, by = KeptWrites(gm, profile).conflict(region)
     assert (value.name, by.name) == (kept, writer)
 
 

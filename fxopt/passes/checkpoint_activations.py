@@ -218,7 +218,7 @@ class CheckpointActivations(Pass):
         before = estimate(profile)
         reference = _captured_peak(ctx, before.peak)
         limit = amount * reference if kind == "fraction" else amount
-        writes, conflicts = KeptWrites(gm, profile.steps), {}
+        writes, conflicts = KeptWrites(gm, profile), {}
 
         def keeps_nothing_written_later(region: Region) -> bool:
             if writes.write_inside(region) is not None:
