@@ -139,4 +139,3 @@ def function_of(node) -> str:
 def ops_in(gm) -> int:
     """How many calls of the op `gm`'s graph holds."""
     return len(gm.graph.find_nodes(op="call_function", target=OP))
-

@@ -5,7 +5,9 @@ submodules (named `checkpointed_<first>_to_<last>`), which run under non-reentra
 `torch.utils.checkpoint`; a region is either recomputed whole, or selectively (its matmul, conv
 and attention outputs are kept, only the cheap ops between them are recomputed: by torch's selective
 checkpoint policy, or, where all it keeps are convolutions and matrix products, by the region itself, which
-spares every op the policy's dispatch mode: fxopt.analysis.kept_outputs)::
+spares every op the policy's dispatch mode: fxopt.analysis.kept_outputs; it keeps only those its recomputation
+runs, and a third kind keeps only the costly ones, recomputing light ones such as attention's score matmul:
+StepProfile.kept_steps)::
 
     a = fc1(x); b = norm(a); c = gelu(b); d = drop(c); e = fc2(d); ...
   becomes (budget 0.5 on a deep MLP)
@@ -27,7 +29,7 @@ FLOPs where the graph cannot run so), plus what a region costs beyond its ops (p
 fxopt.analysis.region_overhead; per region: on a block of this graph, fxopt.passes._region_calibration, figure
 `region_overhead_ms`), so the plan with the
 lowest predicted step time whose predicted peak fits is chosen (figure `predicted_recompute_s`). An exact
-dynamic program over region boundaries and both region kinds returns the cheapest plan under
+dynamic program over region boundaries and the region kinds returns the cheapest plan under
 the budget (a √n split would ignore both the prices and where the peak lands); if no plan
 fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning and the report's
 headline name the budget, that floor ("lowest reachable: 0.45x") and what keeps the step above
