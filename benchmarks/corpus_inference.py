@@ -11,9 +11,8 @@ first call: a compiler's cold start) and the largest output difference relative 
 output magnitude. A variant that cannot take a model is listed with its reason.
 
 `--eager-path` times only fxopt's eager path, each model called as users call it (its
-ModelOutput returned): eager, the `fxopt.optimize` result (guard check + graph), and the
-result's bare optimized graph (`result.graph_module`, no guard check), with their ratios to
-eager: what the per-call guard check costs on top of the graph.
+ModelOutput returned): eager and the `fxopt.optimize` result (Dynamo's guards + the graph), with
+the ratio; it stops if Dynamo compiled again while timing.
 """
 from __future__ import annotations
 
@@ -128,26 +127,24 @@ def rotated_rounds_ms(fns: dict[str, Callable[[], object]], device, rounds: int,
 
 
 def bench_eager_path(name: str, args, device, dtype) -> list[dict]:
-    """Eager, the fxopt result and its bare graph on one model called as users call it, interleaved."""
+    """Eager and the fxopt result on one model called as users call it, interleaved."""
     model, inputs = build(name, size=args.size, batch=args.batch, dtype=dtype)
     model, inputs = model.to(device).eval(), tuple(x.to(device) for x in inputs)
     result = fxopt.optimize(copy.deepcopy(model), inputs, mode="inference")
-    graph = result.graph_module
-    runs = {"eager": lambda: model(*inputs), "fxopt": lambda: result(*inputs), "graph": lambda: graph(*inputs)}
+    runs = {"eager": lambda: model(*inputs), "fxopt": lambda: result(*inputs)}
     with torch.no_grad():
+        compiled = len(result.fxopt_reports)
         medians = rotated_rounds_ms(runs, device, args.rounds, warmup=3)
-    if result.fxopt_report.guard_events:
-        raise SystemExit(f"{name}: a guard failed during timing: {dict(result.fxopt_report.guard_events)}")
+    if len(result.fxopt_reports) != compiled:
+        raise SystemExit(f"{name}: Dynamo compiled again during timing: {result.fxopt_report.recompile_reason}")
     eager = medians["eager"]
-    return [{"model": name, "eager ms": eager, "fxopt ms": medians["fxopt"], "graph ms": medians["graph"],
-             "fxopt vs eager": eager / medians["fxopt"], "graph vs eager": eager / medians["graph"],
-             "guard µs": 1e3 * (medians["fxopt"] - medians["graph"])}]
+    return [{"model": name, "eager ms": eager, "fxopt ms": medians["fxopt"], "fxopt vs eager": eager / medians["fxopt"]}]
 
 
 def main(argv=None) -> list[dict]:
     p = corpus_cli.parser(__doc__, rounds=5, no_compile_help="skip the torch.compile variants")
     p.add_argument("--eager-path", action="store_true",
-                   help="only eager, the fxopt.optimize result and its bare graph (the per-call guard check's cost)")
+                   help="only eager and the fxopt.optimize result")
     args = p.parse_args(argv)
     if args.eager_path:
         return corpus_cli.run(args, bench_eager_path, "eager-path inference (result called as the model)")

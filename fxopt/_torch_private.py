@@ -61,12 +61,6 @@ def register_dynamo_backend(name: str, compiler_fn) -> None:
         register_backend(compiler_fn=compiler_fn, name=name)
 
 
-def no_dispatch():
-    from torch.utils._mode_utils import no_dispatch as _no_dispatch
-
-    return _no_dispatch()
-
-
 def untyped_storage_key(t: torch.Tensor):
     """A key identifying the storage behind `t` (views share it)."""
     return t.untyped_storage()._cdata
@@ -76,9 +70,11 @@ def size_hint(n) -> int:
     """A size as an int: a symbolic one (dynamic shapes) as its value in the example being compiled."""
     if isinstance(n, int):
         return n
-    from torch.fx.experimental.symbolic_shapes import hint_int
+    from torch.fx.experimental import symbolic_shapes
 
-    return hint_int(n)
+    if hasattr(symbolic_shapes, "optimization_hint"):  # torch >= 2.12: a hint that adds no guard
+        return symbolic_shapes.optimization_hint(n)
+    return symbolic_shapes.hint_int(n)
 
 
 def decomposed_at_runtime(target) -> bool:
@@ -115,39 +111,8 @@ def tree_flatten(tree) -> tuple[list, object]:
     return _flatten(tree)
 
 
-def tree_map(fn, tree):
-    from torch.utils._pytree import tree_map as _map
-
-    return _map(fn, tree)
-
-
 class UserCheckpointCall(Exception):
     """Raised inside torch.export when the exported code calls torch.utils.checkpoint."""
-
-
-def refuse_user_checkpoint():
-    """Context in which a call of `torch.utils.checkpoint.checkpoint` raises UserCheckpointCall.
-
-    Non-strict export runs the checkpointed function inline and records no checkpoint: the
-    activation checkpointing the user asked for would silently disappear from the graph.
-    `checkpoint()` looks its two implementations up as module globals at call time.
-    """
-    import contextlib
-    from unittest import mock
-
-    import torch.utils.checkpoint as ckpt
-
-    def refuse(*args, **kwargs):
-        raise UserCheckpointCall("forward calls torch.utils.checkpoint; export would inline the block and "
-                                 "drop the checkpointing, so this module runs as written")
-
-    class _Refused:
-        apply = staticmethod(refuse)
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(ckpt, "CheckpointFunction", _Refused))
-    stack.enter_context(mock.patch.object(ckpt, "_checkpoint_without_reentrant_generator", refuse))
-    return stack
 
 
 def module_hooks(module: torch.nn.Module) -> list[str]:
@@ -157,17 +122,6 @@ def module_hooks(module: torch.nn.Module) -> list[str]:
     kinds = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
     return [k for k in kinds if getattr(module, f"_{k}") or getattr(nn_module, f"_global_{k}")]
 
-
-def preserve_graph_module_attributes(gm, attributes: dict) -> None:
-    """Set plain attributes on a GraphModule so that deepcopy keeps them too."""
-    from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY
-
-    gm.meta.setdefault(_USER_PRESERVED_ATTRIBUTES_KEY, {}).update(attributes)
-    for name, value in attributes.items():
-        setattr(gm, name, value)
-
-
-# ---- torch.compile backend (fxopt.frontends.backend) ----
 
 def dynamo_parameter_placeholders(gm, example_inputs) -> frozenset[str]:
     """Names of the placeholders of a Dynamo graph that hold parameters or buffers of an nn.Module.
@@ -331,23 +285,6 @@ def fx_is_impure(fn, args, kwargs) -> bool:
     return is_impure(fn, args=args, kwargs=kwargs)
 
 
-def make_buffers_non_persistent(gm, names) -> None:
-    """Leave buffers `names` of GraphModule `gm` out of state_dict(), in deep copies too.
-
-    GraphModule's deepcopy re-registers every get_attr tensor as a persistent buffer, so the
-    marking is repeated by a deepcopy hook.
-    """
-    mark = functools.partial(_mark_non_persistent, names=tuple(names))  # picklable, unlike a closure
-    mark(gm)
-    gm._register_deepcopy_hook(mark)
-
-
-def _mark_non_persistent(module, names) -> None:
-    for name in names:
-        owner, _, attr = name.rpartition(".")
-        module.get_submodule(owner)._non_persistent_buffers_set.add(attr)
-
-
 def profiler_running() -> bool:
     """Whether a torch profiler is recording now (a second one started inside it would end the first's session)."""
     return torch._C._autograd._profiler_enabled()
@@ -415,7 +352,7 @@ def tensor_versions(tensors) -> list[int]:
     return [t._version for t in tensors]
 
 
-# ---- guards (fxopt.guards) ----
+# ---- grad mode, autocast and tensor versions ----
 
 def grad_and_autocast_state_calls() -> frozenset:
     """The graph calls Dynamo records for `torch.no_grad()` / `torch.autocast` blocks: they change global
@@ -434,8 +371,9 @@ def has_storage_bytes(t: torch.Tensor) -> bool:
 
 
 def tensor_version(t: torch.Tensor) -> int:
-    """A tensor's version counter (bumped by every in-place change through autograd-visible ops)."""
-    return t._version
+    """A tensor's version counter (bumped by every in-place change through autograd-visible ops); -1 for an
+    inference tensor (made under `torch.inference_mode()`), which has none."""
+    return -1 if t.is_inference() else t._version
 
 
 def hook_handles_made() -> int:
@@ -443,16 +381,6 @@ def hook_handles_made() -> int:
     (module, global module, tensor, autograd node hooks) makes one (`RemovableHandle.next_id`)."""
     return RemovableHandle.next_id
 
-
-def global_module_hook_dicts() -> list[dict]:
-    """torch's global module hook dicts (forward-pre, forward, backward-pre, backward), as live objects."""
-    from torch.nn.modules import module as nn_module
-
-    return [nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
-            nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks]
-
-
-# ---- ATen operators in export graphs (fxopt.analysis) ----
 
 def aten_op_name(target) -> str | None:
     """The ATen op's name without namespace and overload (`aten.relu_.default` -> "relu_"), or None."""
@@ -500,24 +428,6 @@ def bind_aten_arguments(target, args: tuple, kwargs: dict) -> dict:
 
 # ---- capture (fxopt.capture) ----
 
-def noting_autograd_runs(callback):
-    """Context in which every `torch.autograd.grad` / `backward` call first calls `callback()`.
-
-    Both reach the engine through `torch.autograd._engine_run_backward`, a module global.
-    """
-    from unittest import mock
-
-    import torch.autograd as autograd
-
-    run = autograd._engine_run_backward
-
-    def noted(*args, **kwargs):
-        callback()
-        return run(*args, **kwargs)
-
-    return mock.patch.object(autograd, "_engine_run_backward", noted)
-
-
 def higher_order_op_type() -> type:
     """The type of torch's higher-order operators (`torch.ops.higher_order.cond`, `wrap_with_autocast`, ...)."""
     return torch._ops.HigherOrderOperator
@@ -525,56 +435,6 @@ def higher_order_op_type() -> type:
 
 class OpReference(tuple):
     """A picklable name for an ATen operator or higher-order op: ("aten::conv2d", "default") / ("higher_order", name)."""
-
-
-def op_reference(target):
-    """`target` itself if it pickles by reference, else an OpReference (OpOverloads and HOPs do not pickle)."""
-    if isinstance(target, torch._ops.OpOverload):
-        return OpReference((target._schema.name, target._overloadname))
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return OpReference((target._qualified_op_name, None))
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return OpReference(("higher_order", target.name()))
-    return target
-
-
-def op_from_reference(target):
-    """The operator an `op_reference` named (anything else is returned as it is)."""
-    if not isinstance(target, OpReference):
-        return target
-    qualified, overload = target
-    if qualified == "higher_order":
-        return getattr(torch.ops.higher_order, overload)
-    namespace, name = qualified.split("::")
-    packet = getattr(getattr(torch.ops, namespace), name)
-    return packet if overload is None else getattr(packet, overload)
-
-
-def quiet_export_logs():
-    """Context in which torch.export's diagnostics stay unprinted: its log warnings, and the partial graph
-    `torch.export._trace` prints to stderr when it gives up.
-
-    fxopt reports export's reason itself, in the report of the module that stays opaque.
-    """
-    import contextlib
-    import io
-    import logging
-
-    @contextlib.contextmanager
-    def quiet():
-        loggers = [logging.getLogger(name) for name in
-                   ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export", "torch._dynamo")]
-        levels = [logger.level for logger in loggers]
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
-        try:
-            with contextlib.redirect_stderr(io.StringIO()):
-                yield
-        finally:
-            for logger, level in zip(loggers, levels):
-                logger.setLevel(level)
-
-    return quiet()
 
 
 def output_structure(gm) -> tuple[list, list[int]] | None:
@@ -591,22 +451,6 @@ def output_structure(gm) -> tuple[list, list[int]] | None:
     keyed = isinstance(context, (list, tuple)) and len(context) == len(children) and \
         all(isinstance(k, str) for k in context)
     return (list(context) if keyed else list(range(len(children)))), [c.num_leaves for c in children]
-
-
-def exported_module(ep) -> "torch.fx.GraphModule":
-    """`ep.module()` without export's input-guard call in the graph (fxopt checks calls itself, see capture/call_spec.py).
-
-    torch before 2.9 has no `check_guards` and puts no guard call in the graph.
-    """
-    try:
-        return ep.module(check_guards=False)
-    except TypeError:
-        return ep.module()
-
-
-def call_structure(gm):
-    """The pytree structure of the (args, kwargs) an exported GraphModule flattens its call into."""
-    return gm._in_spec
 
 
 def graph_codegen(graph):
@@ -626,19 +470,93 @@ def lazily_compiled_graph_module(root, graph):
     return _LazyGraphModule(root, graph)
 
 
-def add_deepcopy_hook(gm, hook) -> None:
-    """Call `hook(copy)` on every deep copy of GraphModule `gm` (once, however often this is called)."""
-    if hook not in getattr(gm, "_deepcopy_hooks", []):
-        gm._register_deepcopy_hook(hook)
+def aten_graph_of_dynamo_graph(gm, example_inputs):
+    """Dynamo's graph `gm` traced to ATen ops (`make_fx`, pre-dispatch: autograd still sees every op,
+    so the graph runs under eager autograd as the model's own ops would), with Dynamo's symbolic sizes.
+
+    Dynamo hands a backend its own fake mode through the tracing context; the placeholders' fake
+    values (`example_value`) belong to the mode Dynamo traced in, so they are re-made in the backend's
+    (as AOTAutograd does for "cross compilation"). Returns the ATen graph and its fake inputs.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    if fake_mode is None or any(v is None for v in values):  # not from Dynamo: trace the real inputs' fakes
+        fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+        values = list(example_inputs)
+    fake_inputs = [_fake_of(v, fake_mode) if isinstance(v, torch.Tensor) else v for v in values]
+    # A float Dynamo made dynamic (a module attribute that changed between calls) reaches the graph as a
+    # 0-d tensor and `.item()`: traced as an unbacked symbol, as AOTAutograd would, not refused as data-dependent
+    owner = fake_mode if hasattr(fake_mode, "allow_scalar_outputs") else fake_mode.shape_env
+    scalar_outputs = getattr(owner, "allow_scalar_outputs", None)
+    try:
+        if owner is not None:
+            owner.allow_scalar_outputs = True
+        with fake_mode, torch.fx.traceback.preserve_node_meta():  # each op keeps its module path and source line
+            aten = make_fx(torch.fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
+    finally:
+        if owner is not None:
+            owner.allow_scalar_outputs = scalar_outputs
+    return aten, fake_inputs
 
 
-def fx_attribute_expression(root: str, target: str) -> str:
-    """How torch.fx's generated code reads attribute `target` of `root` (`self.a.b`, `getattr(self.a, "0")`)."""
-    return torch.fx.graph._format_target(root, target)
+def _fake_of(value: torch.Tensor, fake_mode):
+    """`value` re-made in `fake_mode`, keeping the symbol Dynamo gave its `.item()`: a float attribute
+    Dynamo made dynamic reaches the graph as a 0-d tensor read by `.item()`, and that symbol carries
+    the value's hint, so the ops that check it (dropout's `0 <= p <= 1`) trace."""
+    fake = fake_mode.from_tensor(value)
+    memo = getattr(value, "item_memo", None)
+    if memo is not None and getattr(fake, "item_memo", None) is None:
+        fake.item_memo = memo
+    return fake
 
 
-def replace_forward_source(gm, src: str, globals_: dict) -> None:
-    """Make `gm.forward` run `src` until its next recompile. `gm.code` stays torch.fx's text; `src` must have
-    the same lines, so that a traceback's line (and the GraphModule's line map) still points at the right node."""
-    co_fields = getattr(gm.graph, "_co_fields", {})
-    type(gm).forward = torch.fx.graph_module._forward_from_src(src, globals_, co_fields)
+def is_compiling() -> bool:
+    """Whether Dynamo (torch.compile) or torch.export is tracing the code running now."""
+    return torch.compiler.is_compiling()
+
+
+def backend_compiler_failed() -> type:
+    """The exception Dynamo wraps a backend's error in (the backend's own is its `inner_exception`)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return BackendCompilerFailed
+
+
+def dynamo_compile_facts(graph_breaks_seen: int) -> tuple[str | None, str | None, list[tuple[str, str]], int]:
+    """What Dynamo knows, inside a backend, of the graph being compiled: its compile id ("0/1": frame 0's
+    second compile), the guard failure that made it recompile (None for a first compile), and the graph
+    breaks recorded since `graph_breaks_seen` (each with the user's file:line); and the new count to pass next."""
+    from torch._dynamo.utils import get_metrics_context, graph_break_reasons
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    metrics = getattr(get_metrics_context(), "_metrics", {})
+    breaks = []
+    for reason in graph_break_reasons[graph_breaks_seen:]:
+        frame = reason.user_stack[-1] if reason.user_stack else None
+        where = f"{frame.filename}:{frame.lineno}" if frame is not None else "?"
+        breaks.append((reason.reason.splitlines()[0] if reason.reason else "", where))
+    return (str(compile_id) if compile_id is not None else None, metrics.get("recompile_reason"), breaks,
+            len(graph_break_reasons))
+
+
+def compile_on_its_own(module: torch.nn.Module, backend, dynamic: bool | None = None):
+    """`torch.compile(module, backend=backend, dynamic=dynamic)` with its own recompile count where torch
+    offers one (`isolate_recompiles`, torch >= 2.13): optimizing many models of one class must not exhaust
+    the recompile limit their shared `forward` code object would otherwise share."""
+    import inspect
+
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return torch.compile(module, backend=backend, dynamic=dynamic, isolate_recompiles=True)
+    return torch.compile(module, backend=backend, dynamic=dynamic)
+
+
+def dynamo_input_source(node) -> str | None:
+    """The Python source Dynamo read a graph input from (`L['self']._modules['fc']._parameters['weight']`), or None."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return None
+    name = source.name
+    return name() if callable(name) else name  # a method before torch 2.12, a property since

@@ -39,6 +39,8 @@ class _Snapshot:
         self.attributes = [(vars(m), dict(vars(m))) for m in users]
         self.containers = [(value, copy.copy(value)) for m in users
                            for value in plain_attributes(m).values() if type(value) in (list, dict, set)]
+        self.generators = [(value, value.get_state()) for m in users for value in vars(m).values()
+                           if isinstance(value, torch.Generator)]  # a model's own stream, besides the global ones
 
     def restore(self) -> None:
         for attributes, bindings in self.attributes:
@@ -48,6 +50,8 @@ class _Snapshot:
         for container, contents in self.containers:  # refilled, not compared: `==` on tensors inside is no bool
             container.clear()
             container.update(contents) if isinstance(container, (dict, set)) else container.extend(contents)
+        for generator, state in self.generators:
+            generator.set_state(state)
         with torch.no_grad():
             for slots, key, tensor, saved, version in self.slots:
                 slots[key] = tensor  # a forward may have rebound the attribute

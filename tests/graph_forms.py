@@ -1,7 +1,8 @@
 """The two graph forms fxopt's passes see, built for tests that run an analysis or a pass alone.
 
-`exported_graph`: the ATen graph `fxopt.optimize` captures (fxopt's own capture: torch.export,
-non-strict), holding the caller's parameters and buffers as `get_attr`. `function_form`: torch
+`exported_graph`: the ATen graph `fxopt.optimize` captures (TorchDynamo's graph traced to ATen ops,
+fxopt.capture), with the caller's parameters and buffers read as attributes (`get_attr`) rather than
+passed in, so that a test calls it as `gm(x)`. `function_form`: torch
 functions and methods (`F.conv2d`, `x.relu()`), the form TorchDynamo hands the torch.compile
 backend, traced with torch.fx through every module so that no `call_module` remains.
 Both come with `node.meta["val"]` for the example inputs.
@@ -12,14 +13,22 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxopt.analysis.shapes import propagate_shapes
-from fxopt.capture import capture
+from fxopt.pipeline.run import from_model
 
 
 def exported_graph(model: nn.Module, inputs: tuple) -> fx.GraphModule:
-    """`model`'s whole-model graph as fxopt.optimize captures it, with shapes of `inputs` (not symbolic)."""
-    (graph,) = capture(model, inputs).graphs
-    propagate_shapes(graph.gm, inputs)
-    return graph.gm
+    """`model`'s whole-model graph as fxopt.optimize captures it, with shapes of `inputs` (not symbolic),
+    its parameter and buffer inputs turned into reads of `model`'s own tensors."""
+    (captured,) = from_model(model, inputs).graphs
+    graph = fx.GraphModule(model, captured.gm.graph).graph  # owned by a module holding `model`'s tensors
+    for node in list(graph.find_nodes(op="placeholder")):
+        if node.name in captured.constant_inputs:
+            with graph.inserting_before(node):
+                read = graph.get_attr(node.meta["state_name"])
+            read.meta = dict(node.meta)
+            node.replace_all_uses_with(read)
+            graph.erase_node(node)
+    return fx.GraphModule(model, graph)
 
 
 class _ThroughModules(fx.Tracer):

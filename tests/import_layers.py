@@ -21,8 +21,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fxopt"
 LAYERS: list[tuple[str, list[tuple[str, ...]]]] = [
     ("ground floor", [("fxopt.errors", "fxopt._torch_private", "fxopt.tree", "fxopt.state_preservation",
                        "fxopt.output_selection", "fxopt.op_names", "fxopt.graph_functions", "fxopt.model_copy",
-                       "fxopt.global_reads", "fxopt.host_rng", "fxopt.user_code", "fxopt.collector")]),
-    ("capture and analyses", [("fxopt.capture",), ("fxopt.analysis",), ("fxopt.guards",), ("fxopt.measure",)]),
+                       "fxopt.running_modules", "fxopt.host_rng", "fxopt.user_code", "fxopt.collector")]),
+    ("capture and analyses", [("fxopt.capture",), ("fxopt.analysis",), ("fxopt.measure",)]),
     ("passes", [("fxopt.passes",)]),
     ("pipeline", [("fxopt.pipeline",)]),
     ("front ends", [("fxopt.frontends", "fxopt.__main__", "fxopt")]),

@@ -233,7 +233,7 @@ def test_report_path_gets_one_json_line_per_graph(tmp_path):
 
 def test_inplace_relu_is_skipped_with_the_reason():
     """inplace_relu would be undone by functionalization, so the backend skips it and says why."""
-    backend = fxopt.backend(inner="eager", passes=["fold_conv_bn", "inplace_relu"])
+    backend = fxopt.backend(inner="aot_eager", passes=["fold_conv_bn", "inplace_relu"])
     compiled_step("seed", backend, train=True, grad=True, steps=1)
     entry = backend.reports[0]["inplace_relu"]
     assert "functionalizes" in entry.skipped and not entry.sites
@@ -317,7 +317,6 @@ def test_autocast_matches_eager():
     ({"passes": ["fold_conv_bn"], "memory_budget": 0.5}, "'memory_budget' is not taken by any selected pass"),
     ({"memory_budget": 1.5}, "fraction in \\(0, 1\\]"),
     ({"memory_budget": "512 parsecs"}, "is not a size"),
-    ({"memory_budget": 0.5, "inner": "eager"}, "needs inner="),
     ({"verify": "yes"}, "'verify' must be True or False"),
     ({"report": 42}, "'report' must be a callable or a file path"),
 ])

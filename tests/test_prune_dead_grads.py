@@ -16,7 +16,6 @@ import fxopt
 from fxopt.analysis import grad_needs
 from fxopt.analysis.saved_tensors import SavedForBackward
 from fxopt.analysis.side_effects import IO, MUTATION, OPAQUE, RNG, STATS, effects
-from fxopt.guards import TRAIN_MODE
 from fxopt.measure import measure_saved_bytes
 from fxopt.passes.base import PassContext
 from fxopt.passes.prune_dead_grads import PruneDeadGrads
@@ -322,8 +321,6 @@ def test_frozen_middle_with_eval_bn_alone():
     assert report.stats["frozen_conv"] == 2 and report.stats["frozen_bn"] == 2
     code = opt.graph_module.code
     assert code.count("conv_saving_what_grads_need(") == 2 and "eval_batch_norm_scale_shift" in code
-    assert {(g.kind, g.target, g.expected) for g in opt.fxopt_report.guards if g.owner == "prune_dead_grads"} == {
-        (TRAIN_MODE, "body.0.1", False), (TRAIN_MODE, "body.1.1", False)}  # the scale-and-shift assumes eval BNs
     assert report.figures["bytes_no_longer_saved"] > 0  # the BN inputs
     assert report.figures["params_needing_grad"] == ["head.2.bias", "head.2.weight", "stem.0.bias", "stem.0.weight"]
 

@@ -89,7 +89,7 @@ def _trainable_params(node: fx.Node, gm: fx.GraphModule, constant_inputs: frozen
         module = gm.get_submodule(node.target)
         return [f"{node.target}.{name}" for name, p in module.named_parameters() if p.requires_grad]
     if node.op == "placeholder" and node.name in constant_inputs:
-        return [node.name] if _placeholder_requires_grad(node) else []
+        return [node.meta.get("state_name", node.name)] if _placeholder_requires_grad(node) else []
     return []
 
 

@@ -1,7 +1,7 @@
 """What an opaque op keeps for its backward and allocates in it, measured by running it once.
 
 fxopt.analysis.saved_tensors' table and fxopt.analysis.backward_temporaries' rules follow ATen's formulas. An op
-declared opaque (fxopt.graph_functions: a user's autograd Function, fxopt.capture.autograd_functions) runs code
+declared opaque (fxopt.graph_functions) runs code
 fxopt does not read. Taken to keep its inputs and output and to allocate nothing in its backward, HF BLOOM's GELU
 (which keeps its input alone and makes four input-sized temporaries in its backward) left BLOOM's measured step
 peak 14-21% above the estimate at budgets 0.8 and 0.5 (6 layers, 384 wide, batch 8 x 128); measured, 3-5% below.

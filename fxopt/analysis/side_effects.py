@@ -16,7 +16,7 @@ updates its running statistics. `effects(node, gm)` names every effect a node ma
             guarding a traced-away argument, `torch._check*`), hooks on the module, ops torch
             marks effectful
   OPAQUE    runs code we cannot see: module calls (an opaque module, a region fxopt made), user
-            functions, a user's autograd Function (fxopt.capture.autograd_functions)
+            functions
 
 An ATen op's effects come from its schema (mutable arguments, `nondeterministic_seeded`), except
 where the schema is wrong about it (batch_norm's statistics; dropout with `train=False` draws

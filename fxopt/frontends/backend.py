@@ -1,50 +1,44 @@
-"""The torch.compile backend "fxopt": fxopt's passes on each Dynamo graph, then Inductor.
+"""The torch.compile backend "fxopt", and what `fxopt.optimize` compiles with: fxopt's passes on each Dynamo graph.
 
     compiled = torch.compile(model, backend="fxopt")                 # found via the entry point
-    compiled = torch.compile(model, backend="fxopt", options={"inner": "eager", "report": print})
+    compiled = torch.compile(model, backend="fxopt", options={"inner": "aot_eager", "report": print})
     compiled = torch.compile(model, backend=fxopt.backend(memory_budget=0.5))   # options checked now
 
-Dynamo hands a backend one graph per captured region (a graph break gives several; DDP's
-optimizer splits at bucket boundaries). Each graph goes the way of `fxopt.optimize`
-(fxopt/pipeline/run.py), with the passes `build_pipeline` chooses, in the Dynamo form: no
-`call_module`, parameters and buffers are graph inputs (`torch.conv2d(x, weight_placeholder,
-...)`), named in `PassContext.constant_inputs`. (torch 2.6-2.12 with Dynamo's
-`inline_inbuilt_nn_modules=False` still give nn layers as `call_module` nodes: the passes treat
-each as an opaque module and leave it as it is.) Mode: "training" when autograd will differentiate
-the graph (grad enabled and an input requires grad), else "inference".
+Dynamo hands a backend one graph per captured region (a graph break gives several; DDP's optimizer
+splits at bucket boundaries), with the model's parameters and buffers as graph inputs. Each graph is
+traced to ATen ops (fxopt.capture.aten_graph: pre-dispatch, so autograd still sees every op; Dynamo's
+symbolic sizes kept) and goes through the passes `build_pipeline` chooses (fxopt/pipeline/run.py),
+planned at the sizes of the call being compiled. Mode: "training" when autograd will differentiate the
+graph (grad enabled and an input requires grad), else "inference". A graph the ATen trace would change
+(a custom autograd Function) runs as Dynamo captured it, with one warning and the reason in its report.
 
-What the passes know of this path (`PassContext`), and so do themselves:
-  guards_checked=False    nothing checks guards per call, so fold_conv_bn emits the fold as graph
-                          ops on the weight inputs: it always follows the current parameter values.
-  aot_autograd_next=True  inplace_relu does nothing (AOTAutograd functionalizes the graph, undoing
-                          in-place ops); checkpoint_activations makes no regions: with `memory_budget`
-                          (a fraction or a size, as in fxopt.optimize) fxopt's planner tags what
-                          AOTAutograd's min-cut partitioner recomputes (fxopt.frontends.backend_memory)
-                          and its outcome replaces the pass's entry in the report.
-
-Hand-off (`inner`):
-  "inductor"   Inductor's compile_fx. In inference, parameter inputs become constants of the
-               graph (Inductor freezing: the fold is constant-folded, weights pre-packed), and
-               every call checks that each parameter input is the same tensor, with the same
-               storage (`p.data = t` replaces it) at the same version (in-place writes bump it),
-               and that BatchNorm running statistics keep their values (a train-mode step of the
-               module outside the graph updates them without bumping their versions);
-               if one changed, the graph falls back, for good, to a non-frozen compile in which
-               the fold is recomputed per call. Not detected: a write through `p.data`
-               (`p.data.mul_(2)`), which bumps no version counter — Inductor's own freezing has
-               the same blind spot. `freeze=False` compiles non-frozen from the start.
+Lowering (`inner`):
+  "eager"      the optimized ATen graph as it is, under eager autograd: checkpointed regions, in-place
+               ReLUs and pruned gradients stay as the passes made them (fxopt.optimize's default).
+  "inductor"   Inductor's compile_fx, after AOTAutograd (`PassContext.aot_autograd_next`: inplace_relu
+               does nothing, as functionalization would undo it; checkpoint_activations makes no
+               regions: with `memory_budget` fxopt's planner tags what AOTAutograd's min-cut partitioner
+               recomputes, fxopt.frontends.backend_memory, and its outcome replaces the pass's entry in
+               the report). In inference, parameter inputs become constants of the graph (Inductor
+               freezing: the fold is constant-folded, weights pre-packed), and every call checks that
+               each parameter input is the same tensor, with the same storage (`p.data = t` replaces it)
+               at the same version (in-place writes bump it), and that BatchNorm running statistics keep
+               their values (a train-mode step outside the graph updates them without bumping their
+               versions); if one changed, the graph falls back, for good, to a non-frozen compile in
+               which the fold is recomputed per call. Not detected: a write through `p.data`
+               (`p.data.mul_(2)`), which bumps no version counter, as with Inductor's own freezing.
+               `freeze=False` compiles non-frozen from the start.
   "aot_eager"  AOTAutograd with Inductor's decompositions (except those of random ops, so dropout
                draws the same numbers as eager and torch's own aot_eager) and min-cut partitioner,
-               no code generation (debugging; without the decompositions a train-mode BatchNorm
-               under a memory budget fails in backward, as with torch's own aot_eager).
-  "eager"      the optimized fx graph as is (debugging).
+               no code generation (debugging the Inductor lowering).
 
 Options: passes (None: the default pipeline of the mode), memory_budget (a fraction or a size;
-training graphs), differentiable_outputs (training graphs; passed to prune_dead_grads), inner, freeze,
-verify (compare the graph before/after each pass: outputs, input gradients, updated buffers),
-report (a callable taking each graph's `Report`, or a path to which one JSON line per graph is
-appended). Unknown or malformed options raise FxoptError (wrapped by Dynamo as
-BackendCompilerFailed when they reach it through `options=`; `fxopt.backend(...)` checks at once).
+training graphs), differentiable_outputs (training graphs; passed to prune_dead_grads), the other
+passes' options (relu_mask, channels_last), inner, freeze, verify (compare the graph before/after each
+pass: outputs, input gradients, updated buffers), report (a callable taking each graph's `Report`, or a
+path to which one JSON line per graph is appended), instruments. Unknown or malformed options raise
+FxoptError (wrapped by Dynamo as BackendCompilerFailed when they reach it through `options=`;
+`fxopt.backend(...)` checks at once).
 """
 from __future__ import annotations
 
@@ -60,8 +54,10 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..analysis.ops import match_batch_norm
+from ..capture import NotTraceable, aten_graph
 from ..errors import FxoptError
 from ..model_copy import graph_module_copy
+from ..passes import PASSES
 from ..passes.base import INFERENCE, TRAINING, PassContext
 from ..passes.checkpoint_activations import parse_budget
 from ..pipeline.pipelines import build_pipeline
@@ -70,7 +66,7 @@ from ..pipeline.run import from_dynamo_graph, run_pipeline
 from ..pipeline.verify import Verifier
 from .backend_memory import compile_with_memory_budget
 
-INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+INNER_COMPILERS = ("eager", "inductor", "aot_eager")
 
 _graph_numbers = itertools.count()
 
@@ -84,16 +80,21 @@ class BackendOptions:
     freeze: bool = True
     verify: bool = False
     report: Callable[[Report], object] | str | os.PathLike | None = None
+    instruments: tuple = ()  # observers of the pipeline (fxopt.pipeline.instruments), per graph
+    other_pass_options: tuple[tuple[str, object], ...] = ()  # the passes' other options (relu_mask, channels_last)
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
         """Check `options` (as given to torch.compile); anything unknown or malformed is a FxoptError."""
         options = dict(options or {})
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(known))
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "other_pass_options"]
+        declared = sorted({name for p in PASSES.values() for name in p.options} - set(fields))
+        unknown = sorted(set(options) - set(fields) - set(declared))
         if unknown:
-            raise FxoptError(f"unknown option {unknown[0]!r} for backend 'fxopt'; options: {', '.join(known)}")
-        parsed = cls(**options)
+            raise FxoptError(f"unknown option {unknown[0]!r} for backend 'fxopt'; options: "
+                             f"{', '.join(fields + declared)}")
+        others = tuple((name, options.pop(name)) for name in declared if name in options)
+        parsed = cls(**options, other_pass_options=others)
         parsed._check()
         if isinstance(parsed.passes, str):
             parsed = dataclasses.replace(parsed, passes=(parsed.passes,))
@@ -104,10 +105,12 @@ class BackendOptions:
     def pass_options(self, mode: str) -> dict:
         """The options of the passes for a graph of `mode`: memory_budget and differentiable_outputs
         concern training graphs only (an inference graph saves nothing and differentiates nothing)."""
+        taken = {name for p in PASSES.values() if mode in p.modes for name in p.options}
+        others = {name: value for name, value in self.other_pass_options if name in taken}
         if mode != TRAINING:
-            return {}
+            return others
         given = {"memory_budget": self.memory_budget, "differentiable_outputs": self.differentiable_outputs}
-        return {name: value for name, value in given.items() if value is not None}
+        return {**others, **{name: value for name, value in given.items() if value is not None}}
 
     def _check(self) -> None:
         if self.inner not in INNER_COMPILERS:
@@ -116,9 +119,6 @@ class BackendOptions:
             build_pipeline(mode, self.passes, self.pass_options(mode), mode_per_graph=True)
         if self.memory_budget is not None:
             parse_budget(self.memory_budget)  # a fraction or a size with a unit, as in fxopt.optimize
-            if self.inner == "eager":
-                raise FxoptError("memory_budget needs inner='inductor' or 'aot_eager' (the eager hand-off has no "
-                                 "partitioner to recompute activations)")
         for flag in ("freeze", "verify"):
             if not isinstance(getattr(self, flag), bool):
                 raise FxoptError(f"option {flag!r} must be True or False, got {getattr(self, flag)!r}")
@@ -127,14 +127,26 @@ class BackendOptions:
 
 
 class FxoptBackend:
-    """A torch.compile backend with fixed options; `reports` holds one Report per compiled graph."""
+    """A torch.compile backend with fixed options; `reports` holds one Report per compiled graph, and
+    `graph_modules` what the eager lowering runs for each (the optimized ATen graph)."""
 
     def __init__(self, **options):
         self.options = BackendOptions.parse(options)
         self.reports: list[Report] = []
+        self.graph_modules: list[fx.GraphModule] = []
+
+    @classmethod
+    def from_options(cls, options: BackendOptions) -> FxoptBackend:
+        """A backend with options already checked (a result being unpickled)."""
+        backend = cls()
+        backend.options = options
+        return backend
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
-        return compile_graph(gm, list(example_inputs), self.options, self.reports.append)
+        compiled = compile_graph(gm, list(example_inputs), self.options, self.reports.append)
+        if isinstance(compiled, fx.GraphModule):
+            self.graph_modules.append(compiled)
+        return compiled
 
 
 def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **unexpected):
@@ -151,30 +163,78 @@ def backend(**options) -> FxoptBackend:
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOptions,
                   on_report: Callable[[Report], object] | None = None):
-    """Optimize one Dynamo graph with fxopt's pipeline, report, and hand it to the inner compiler."""
+    """Optimize one Dynamo graph with fxopt's pipeline, report, and lower it: run it eagerly, or hand it to
+    AOTAutograd (with Inductor, or without code generation).
+
+    Dynamo's graph is traced to ATen ops first (pre-dispatch: autograd still sees every op), the form every
+    pass knows. The passes plan at this call's sizes (a dynamic graph's symbolic sizes take their values from
+    it); the graph itself stays generic, so what they decided holds at every size the graph runs.
+    """
     training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                for x in example_inputs)
     mode = TRAINING if training else INFERENCE
-    constant_inputs = _torch_private.dynamo_parameter_placeholders(gm, example_inputs)
-    statistics = _batch_norm_statistics(gm)  # before the passes fold them away
+    eager = options.inner == "eager"
+    try:
+        aten, constant_inputs = aten_graph(gm, example_inputs)
+    except NotTraceable as e:  # run as Dynamo captured it: eager's ops, eager's cost, never a wrong result
+        return _unoptimized(gm, example_inputs, Report(mode, not_optimized=str(e)), options, on_report)
+    statistics = _batch_norm_statistics(aten)  # before the passes fold them away
     pass_options = options.pass_options(mode)
     pipeline = build_pipeline(mode, options.passes, pass_options, mode_per_graph=True)
-    verifier = Verifier(gm, example_inputs, training, inputs_are_state=True) if options.verify else None
-    captured = from_dynamo_graph(gm, example_inputs, f"dynamo_graph_{next(_graph_numbers)}")
-    ctx = PassContext(mode, pass_options, constant_inputs, guards_checked=False, aot_autograd_next=True)
-    report = run_pipeline(captured, pipeline, ctx, verifier=verifier)
-    if training and options.memory_budget is not None:  # fxopt's planner tags what the partitioner recomputes
-        compiled = compile_with_memory_budget(gm, example_inputs, options.memory_budget, options.inner, report)
-        _deliver(report, options.report, on_report)
-        return compiled
+    # A symbolic size reaches the backend as a SymInt: its value in this call, so no pass adds a guard
+    concrete = [_torch_private.size_hint(x) if isinstance(x, torch.SymInt) else x for x in example_inputs]
+    with _torch_private.outside_tracing_context():  # concrete sizes, and no guard added to Dynamo's shape env
+        verifier = Verifier(aten, concrete, training, inputs_are_state=True) if options.verify else None
+        captured = from_dynamo_graph(aten, concrete, f"dynamo_graph_{next(_graph_numbers)}", constant_inputs)
+        ctx = PassContext(mode, pass_options, constant_inputs, aot_autograd_next=not eager)
+        report = run_pipeline(captured, pipeline, ctx, instruments=options.instruments, verifier=verifier)
+    report.dynamic_sizes = _symbolic_inputs(gm)
+    _note_dynamo_facts(report)
+    if eager:
+        compiled = aten
+    elif training and options.memory_budget is not None:  # fxopt's planner tags what the partitioner recomputes
+        compiled = compile_with_memory_budget(aten, example_inputs, options.memory_budget, options.inner, report)
+    elif options.inner == "aot_eager":
+        compiled = _torch_private.aot_eager_compile(aten, example_inputs)
+    elif not training and options.freeze and constant_inputs:
+        compiled = FrozenInference(aten, example_inputs, constant_inputs, statistics)
+    else:
+        compiled = _torch_private.inductor_compile(aten, example_inputs)
+    _deliver(report, options.report, on_report)
+    return compiled
+
+
+def _unoptimized(gm: fx.GraphModule, example_inputs: list, report: Report, options: BackendOptions, on_report):
+    """Dynamo's graph as it is, lowered as asked, with a report and one warning saying why fxopt left it alone."""
+    warnings.warn(f"fxopt: a graph of this model runs unoptimized: {report.not_optimized}", stacklevel=2)
+    report.dynamic_sizes = _symbolic_inputs(gm)
+    _note_dynamo_facts(report)
     _deliver(report, options.report, on_report)
     if options.inner == "eager":
         return gm
     if options.inner == "aot_eager":
         return _torch_private.aot_eager_compile(gm, example_inputs)
-    if not training and options.freeze and constant_inputs:
-        return FrozenInference(gm, example_inputs, constant_inputs, statistics)
     return _torch_private.inductor_compile(gm, example_inputs)
+
+
+def _symbolic_inputs(gm: fx.GraphModule) -> list[str]:
+    """The placeholders of a Dynamo graph whose sizes are symbolic, as `name: [s0, 3]`."""
+    described = []
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor) and any(
+                not isinstance(size, int) for size in value.shape):
+            described.append(f"{node.name}: {list(value.shape)}")
+    return described
+
+
+_graph_breaks_seen = [0]  # Dynamo's graph-break records already given to a report
+
+
+def _note_dynamo_facts(report: Report) -> None:
+    """Which compile this graph is, why Dynamo compiled again, and the graph breaks since the last graph."""
+    report.compile_id, report.recompile_reason, report.graph_breaks, _graph_breaks_seen[0] = \
+        _torch_private.dynamo_compile_facts(_graph_breaks_seen[0])
 
 
 def _batch_norm_statistics(gm: fx.GraphModule) -> frozenset[str]:

@@ -23,8 +23,8 @@ from .cli_loading import format_shape
 
 # The documented, stable shape of `fxopt inspect --json` (README "Inspecting a model").
 JSON_KEYS = {
-    "top": ("fxopt_version", "model", "mode", "inputs", "graphs", "opaque_modules", "specialized_graphs", "passes",
-            "summary"),
+    "top": ("fxopt_version", "model", "mode", "inputs", "graphs", "compile_id", "recompile_reason", "graph_breaks",
+            "dynamic_sizes", "not_optimized", "passes", "summary"),
     "input": ("shape", "dtype"),
     "pass": ("name", "seconds", "nodes_before", "nodes_after", "changed", "stats", "sites", "figures", "skipped",
              "max_abs_diff", "estimated"),
@@ -225,9 +225,9 @@ class InspectResult:
             lines += ["", sites]
         elif self.only or self.pass_filter:
             lines += ["", "(no site matches --only / --pass)"]
-        lines += self.report.capture_sections()
-        if self.report.opaque:
-            lines += ["", "(estimates cover the captured graphs; code that stayed opaque outside them is not counted)"]
+        lines += self.report.dynamo_sections()
+        if self.report.graph_breaks:
+            lines += ["", "(estimates cover this graph; the code Dynamo left outside it is not counted)"]
         if self.costs.stages[0] is None:
             lines += ["", "(? : the estimate needs a run on fake tensors, which this model's code does not allow)"]
         lines += ["", self.summary_line()]

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from ..capture.state import running_modules
+from ..running_modules import running_modules
 from ..state_preservation import preserved_state
 from ..errors import FxoptError
 from .cli_args import DEFAULT_INT_HIGH, DTYPE_NAMES
@@ -180,7 +180,7 @@ def _wants_integers(inputs: tuple, layer, message: str) -> bool:
 
 def check_model_accepts(model: torch.nn.Module, inputs: tuple) -> None:
     """Run `model(*inputs)` once (state restored); on failure name the innermost layer running
-    (`fxopt.capture.state.running_modules`)."""
+    (`fxopt.running_modules`)."""
     try:
         with running_modules(model) as running, preserved_state(model):
             model(*inputs)

@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 import torch.fx as fx
 
 from ..capture.naming import module_path
-from ..guards import GuardSet
 
 INFERENCE = "inference"
 TRAINING = "training"
@@ -23,11 +22,6 @@ def site_name(node: fx.Node) -> str:
     """How a report names a node: the path of the module that computed it (`layer1.0.bn1`, from
     torch.export's `nn_module_stack`), or the node's own name for code of the model itself."""
     return module_path(node) or node.name
-
-
-def model_name(ctx: "PassContext", name: str) -> str:
-    """A module path or parameter name of the graph being rewritten, as the caller's model names it."""
-    return ".".join(part for part in (ctx.graph_path, name) if part)
 
 
 @dataclasses.dataclass
@@ -73,23 +67,18 @@ class PassContext:
     """What a pass may know beyond the graph: the mode, its options, where parameters live, and what
     happens to the graph after the passes. A pass that does not apply says so from these facts.
 
-    `constant_inputs` names placeholders that hold parameters or buffers (the Dynamo form,
-    where parameters are graph inputs); in the module form parameters are attributes.
-    `guards_checked`: the result checks `guards` before every call (fxopt.optimize's result), so a
-    pass may bake in values it records a guard for; under torch.compile nothing checks them.
-    `aot_autograd_next`: the graph goes on to torch.compile's AOTAutograd, which functionalizes it
-    (undoing in-place ops) and whose partitioner chooses what backward recomputes (the backend's
-    "eager" hand-off, for debugging, counts alike so that it shows what the others compile).
+    `constant_inputs` names placeholders that hold parameters or buffers (TorchDynamo makes a model's
+    state graph inputs). `aot_autograd_next`: the graph goes on to torch.compile's AOTAutograd, which
+    functionalizes it (undoing in-place ops) and whose partitioner chooses what backward recomputes;
+    else it runs as it is, under eager autograd.
     """
 
     mode: str
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     constant_inputs: frozenset[str] = frozenset()
-    guards_checked: bool = True
     aot_autograd_next: bool = False
     graph_path: str | None = None  # where the graph being rewritten sits: "" the whole model, None unknown
     captured: fx.GraphModule | None = None  # that graph as captured, before any pass (passes that read it)
-    guards: GuardSet = dataclasses.field(default_factory=GuardSet)  # facts passes rely on (fxopt.guards)
 
 
 class Pass:

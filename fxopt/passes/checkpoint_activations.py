@@ -52,8 +52,6 @@ When a node stays out of every region (reason in the report):
                         a region that made the tensor it writes (not in a selective region's cached
                         outputs): the recomputation makes it again and writes it again.
   already_checkpointed  a region the user (or an earlier run) checkpointed: left as it is
-  autograd_function     a user's autograd Function (fxopt.capture.autograd_functions): its code may keep
-                        state or draw random numbers, and is never run twice
   unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
 and no region keeps (as input, or as a selective region's cached output) a tensor written in place
 after it, through any alias (`kept_tensor_written_later`, fxopt.passes._checkpoint_writes): the
@@ -80,7 +78,6 @@ from ..analysis.shapes import remember_shape_sources
 from ..analysis.ops import match_batch_norm
 from ..op_names import op_name
 from ..analysis.side_effects import MUTATION, effects
-from ..capture.autograd_functions import OP as autograd_function_op, function_of
 from ..collector import collector_paused
 from ..errors import FxoptError
 from ._checkpoint_plan import plan_floor, plan_regions, region_boundaries
@@ -129,8 +126,6 @@ def refusal(node: fx.Node, gm: fx.GraphModule) -> str:
         return "bn_training"
     if is_lone_state_update(node):
         return ""
-    if node.op == "call_function" and node.target is autograd_function_op:
-        return "autograd_function"
     name = op_name(node)
     if name is None:
         return "unknown_op"
@@ -215,8 +210,7 @@ class CheckpointActivations(Pass):
             reason = refusal(step.node, gm)
             checkpointable.append(not reason)
             if reason:
-                runs = f"runs {function_of(step.node)}, " if reason == "autograd_function" else ""
-                result.record("refused", step.node, reason, f"{runs}kept out of every checkpointed region")
+                result.record("refused", step.node, reason, "kept out of every checkpointed region")
         before = estimate(profile)
         reference = _captured_peak(ctx, before.peak)
         limit = amount * reference if kind == "fraction" else amount

@@ -16,9 +16,8 @@ checkpoint_activations a step it would take for a random one.
 
 What it leaves alone: every dropout that may draw a mask (a `train` flag that is True or
 computed in the graph, with a probability that is not 0 or is computed in the graph).
-torch.export bakes each dropout's flag and probability into the graph, and the result guards the
-module's mode and its settings (`Dropout.p`: fxopt.guards SETTINGS), so an exported graph never
-holds a stale flag or probability; Dynamo guards them likewise.
+TorchDynamo bakes each dropout's flag and probability into the graph and guards the module's mode
+and its settings (`Dropout.p`), so a graph never holds a stale flag or probability.
 """
 from __future__ import annotations
 

@@ -73,15 +73,13 @@ from ..op_names import op_name
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import removable_if_unused
 from ..analysis.written_state import state_key, written_state
-from ..capture.naming import module_path
 from ..errors import FxoptError
 from ..graph_functions import importable_name
-from ..guards import TRAIN_MODE, Guard
 from ..model_copy import graph_snapshot
 from ..output_selection import chosen_outputs, parse_differentiable_outputs
 from ._frozen_ops import (call_method_without_grad, call_without_grad, conv_saving_what_grads_need,
                           eval_batch_norm_scale_shift)
-from .base import INFERENCE, Pass, PassContext, PassResult, model_name, site_name
+from .base import INFERENCE, Pass, PassContext, PassResult, site_name
 
 
 def output_entries(gm: fx.GraphModule) -> dict[Hashable, tuple[int, ...]]:
@@ -316,10 +314,6 @@ class PruneDeadGrads(Pass):
             scaled = graph.call_function(operator.mul, (bn.input, scale))
             new = graph.call_function(operator.add, (scaled, shift))
         self._replace(gm, node, new)
-        path = module_path(node)
-        if path is not None:  # the scale-and-shift is BatchNorm's eval-mode formula
-            ctx.guards.add(Guard(TRAIN_MODE, model_name(ctx, path), False, self.name, f"{site_name(node)} runs as "
-                                                                                      "x * scale + shift"))
         result.record("frozen_bn", site_name(new), detail=f"{node.name}: eval BatchNorm with frozen affine no longer "
                                                f"keeps its input ({_nbytes(bn.input)} B)")
         return True

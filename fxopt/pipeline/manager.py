@@ -49,7 +49,8 @@ class PassManager:
                 continue
             code_before = {path: gm.code for path, gm in by_path.items()}
             for g in graphs:
-                self._run_one(p, g, dataclasses.replace(ctx, graph_path=g.path, captured=captured.get(g.path)), entry,
+                self._run_one(p, g, dataclasses.replace(ctx, graph_path=g.path, captured=captured.get(g.path),
+                                                                  constant_inputs=ctx.constant_inputs | g.constant_inputs), entry,
                               done=[q.name for q in self.passes[:index - 1]])
             report.passes.append(entry)
             for instrument in self.instruments:  # before verifying, so a failing stage is still shown

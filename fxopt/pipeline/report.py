@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from tabulate import tabulate
 
-from ..capture import OpaqueModule, Specialization
-from ..guards import Guard, GuardSet
 from ..passes.base import PassResult, Site
 
 
@@ -53,11 +50,13 @@ def _jsonable(value: Any) -> Any:
 class Report:
     mode: str
     passes: list[PassReport] = dataclasses.field(default_factory=list)
-    opaque: list[OpaqueModule] = dataclasses.field(default_factory=list)
-    specialized: list[Specialization] = dataclasses.field(default_factory=list)  # graphs guarded by a call check
-    graphs: list[str] = dataclasses.field(default_factory=list)  # where each captured graph sits
-    guards: list[Guard] = dataclasses.field(default_factory=list)  # facts the result checks on every call
-    guard_events: Counter = dataclasses.field(default_factory=Counter)  # "<fact>: <what fxopt did>" -> calls
+    graphs: list[str] = dataclasses.field(default_factory=list)  # the graph's name
+    dynamic_sizes: list[str] = dataclasses.field(default_factory=list)  # inputs with symbolic sizes (passes planned at
+    # the sizes of the call that compiled the graph; what they decided holds at every size)
+    compile_id: str | None = None  # Dynamo's: "frame/attempt"
+    recompile_reason: str | None = None  # the guard that failed, for a graph compiled again
+    graph_breaks: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (Dynamo's reason, file:line)
+    not_optimized: str = ""  # why the graph runs as Dynamo captured it, without fxopt's passes
 
     def __getitem__(self, name: str) -> PassReport:
         for p in self.passes:
@@ -69,11 +68,12 @@ class Report:
         return {
             "mode": self.mode,
             "graphs": list(self.graphs),
-            "opaque_modules": [dataclasses.asdict(o) for o in self.opaque],
-            "specialized_graphs": [dataclasses.asdict(s) for s in self.specialized],
             "passes": [p.to_dict() for p in self.passes],
-            "guards": [g.to_dict() for g in self.guards],
-            "guard_events": dict(self.guard_events),
+            "dynamic_sizes": list(self.dynamic_sizes),
+            "compile_id": self.compile_id,
+            "recompile_reason": self.recompile_reason,
+            "graph_breaks": [list(b) for b in self.graph_breaks],
+            "not_optimized": self.not_optimized,
         }
 
     def pass_table(self, extra: dict[str, Callable[[int, PassReport], str]] | None = None) -> tuple[list, list]:
@@ -100,36 +100,27 @@ class Report:
         rows = [[p.name, s.node, s.action, s.reason, s.detail] for p in self.passes for s in p.sites if keep(p, s)]
         return tabulate(rows, headers=["pass", "node", "action", "reason", "detail"]) if rows else ""
 
-    def capture_sections(self) -> list[str]:
-        """Lines listing the opaque modules and the specialized graphs (empty if there are none)."""
+    def dynamo_sections(self) -> list[str]:
+        """Lines on what TorchDynamo did for this graph: why it compiled again, the graph breaks before it,
+        which input sizes are symbolic, and why fxopt left the graph as captured (empty if none of these)."""
         lines = []
-        if self.opaque:
-            rows = [[o.path or "<model>", o.type, o.reason] for o in self.opaque]
-            lines += ["", "Opaque modules (run unchanged; their children may still be optimized):",
-                      tabulate(rows, headers=["module", "type", "why"])]
-        if self.specialized:
-            rows = [[s.path or "<model>", s.assumes] for s in self.specialized]
-            lines += ["", "Specialized graphs (any other call runs the original module):",
-                      tabulate(rows, headers=["module", "graph assumes"])]
-        return lines
-
-    def guard_sections(self) -> list[str]:
-        """Lines summarizing the guards (per owner and kind) and what happened when one failed."""
-        lines = []
-        if self.guards:
-            rows = [[owner, kind, count, example] for owner, kind, count, example in GuardSet(self.guards).summary()]
-            lines += ["", "Guards (checked on every call; when one fails fxopt re-optimizes or runs the original):",
-                      tabulate(rows, headers=["owner", "kind", "count", "first"])]
-        if self.guard_events:
-            rows = [[what, n] for what, n in self.guard_events.items()]
-            lines += ["", tabulate(rows, headers=["guard failed: what fxopt did", "calls"])]
+        if self.not_optimized:
+            lines += ["", f"Not optimized (runs as Dynamo captured it, at eager's cost): {self.not_optimized}"]
+        if self.recompile_reason:
+            lines += ["", f"Compiled again ({self.compile_id}) because a guard failed: {self.recompile_reason}"]
+        if self.graph_breaks:
+            lines += ["", "Graph breaks (the code between graphs runs as Python):",
+                      tabulate([[where, why] for why, where in self.graph_breaks], headers=["where", "Dynamo's reason"])]
+        if self.dynamic_sizes:
+            lines += ["", "Dynamic sizes (planned at the sizes of the call that compiled the graph): "
+                      + "; ".join(self.dynamic_sizes)]
         return lines
 
     def __str__(self) -> str:
         parts = [f"fxopt report ({self.mode}, {len(self.graphs)} graph(s))",
                  *(f"{p.name}: {p.figures['headline']}" for p in self.passes if p.figures.get("headline")),
                  self.summary_table(),
-                 *self.capture_sections(), *self.guard_sections()]
+                 *self.dynamo_sections()]
         sites = self.sites_table()
         if sites:
             parts += ["", sites]

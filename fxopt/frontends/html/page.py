@@ -81,7 +81,7 @@ def _summary(data: PageData) -> str:
     changed = sum(not s.refused for s in sites)
     lines.append(f"<p>{len(report.passes)} pass(es), {sum(p.changed for p in report.passes)} changed the model; "
                  f"{changed} site(s) rewritten, {len(sites) - changed} refused; "
-                 f"{len(report.graphs)} graph(s) captured, {len(report.opaque)} module(s) left opaque.</p>")
+                 f"{len(report.graphs)} graph(s) captured, {len(report.graph_breaks)} graph break(s) before it.</p>")
     if data.estimates:
         first, last = data.estimates[0], data.estimates[-1]
         text = f"FLOPs (est.) {format_flops(first['flops_before'])} → {format_flops(last['flops_after'])}"
@@ -238,13 +238,15 @@ _SCRIPT = """
 
 
 def _capture(report: Report) -> str:
+    """What TorchDynamo did: why it compiled this graph again, and the graph breaks before it."""
     out = []
-    if report.opaque:
-        out.append("<h3>Opaque modules (run unchanged; their children may still be optimized)</h3>")
-        out.append(_table(["module", "type", "why"], [[o.path or "<model>", o.type, o.reason] for o in report.opaque]))
-    if report.specialized:
-        out.append("<h3>Specialized graphs (any other call runs the original module)</h3>")
-        out.append(_table(["module", "graph assumes"], [[s.path or "<model>", s.assumes] for s in report.specialized]))
+    if report.not_optimized:
+        out.append(f"<h3>Not optimized</h3><p>{_e(report.not_optimized)}</p>")
+    if report.recompile_reason:
+        out.append(f"<h3>Compiled again</h3><p>{_e(report.recompile_reason)}</p>")
+    if report.graph_breaks:
+        out.append("<h3>Graph breaks (the code between graphs runs as Python)</h3>")
+        out.append(_table(["where", "Dynamo's reason"], [[where, why] for why, where in report.graph_breaks]))
     return "\n".join(out)
 
 

@@ -1,0 +1,183 @@
+"""fxopt.optimize in the loop users write: keyword arguments, a new padded length every batch, default configs.
+
+    python benchmarks/user_loop.py                      # all three parts
+    python benchmarks/user_loop.py --part inference     # BERT (4 layers) with attention_mask=, a new length per batch
+    python benchmarks/user_loop.py --part training      # BertForSequenceClassification and GPT2LMHeadModel with labels=
+    python benchmarks/user_loop.py --part overhead      # per-call cost where the guards hold, and of an unoptimizable call
+
+inference: eager, `fxopt.optimize(model, example_kwargs=...)` and `torch.compile(model, backend="eager")` (Dynamo
+alone) take the same batches, round-robin, one call each per round, a length drawn anew per round from a fixed
+list; the table gives each one's median call time after the first pass over the lengths, its speed against
+eager, its outputs' largest difference from eager's, and the time of each variant's first call at a length it
+has not seen (the compiles). Torch runs on one thread (`--threads`), so other load on the machine hits all alike.
+
+training: each model, default config (SDPA attention, `use_cache=True` for GPT-2), dropout on, trained with
+`labels=` and `attention_mask=` at a length that changes every step, eager and fxopt (`memory_budget=0.5`)
+from the same seeds: losses per step, and the allocator's peak of one step at a length the result never saw.
+
+overhead: a 2-layer MLP at batch 1 (the call is mostly the per-call cost): eager, fxopt and Dynamo alone; and
+a model whose every line breaks the graph (fxopt cannot optimize it): fxopt against eager.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import transformers
+from tabulate import tabulate
+
+import fxopt
+from fxopt.measure import measure_allocator_peak
+
+LENGTHS = (37, 52, 64, 71, 88, 96, 109, 128)
+
+
+def _bert(layers: int = 4, classify: bool = False):
+    config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=256, num_attention_heads=4,
+                                     intermediate_size=1024, vocab_size=30522)
+    cls = transformers.BertForSequenceClassification if classify else transformers.BertModel
+    return cls(config)
+
+
+def _gpt2():
+    config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=50257)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _batch(length: int, batch: int = 8, vocab: int = 30522, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed * 1000 + length)
+    ids = torch.randint(0, vocab, (batch, length), generator=gen)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[: batch // 2, length - length // 4:] = 0  # padded rows, as a collator pads
+    return ids, mask
+
+
+def _time(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def inference(rounds: int) -> None:
+    model = _bert().eval()
+    ids, mask = _batch(LENGTHS[0])
+    variants = {
+        "eager": model,
+        "fxopt.optimize": fxopt.optimize(model, (ids,), example_kwargs={"attention_mask": mask}),
+        "torch.compile(backend='eager')": torch.compile(copy.deepcopy(model), backend="eager"),
+    }
+    first_calls = {name: [] for name in variants}
+    times = {name: [] for name in variants}
+    worst = {name: 0.0 for name in variants}
+    with torch.no_grad():
+        for r in range(len(LENGTHS) + rounds):
+            length = LENGTHS[r % len(LENGTHS)] if r < len(LENGTHS) else LENGTHS[(r * 5) % len(LENGTHS)]
+            ids, mask = _batch(length, seed=r)
+            reference = None
+            for name, fn in variants.items():
+                seconds, out = _time(lambda: fn(ids, attention_mask=mask))
+                hidden = out.last_hidden_state
+                if reference is None:
+                    reference = hidden
+                worst[name] = max(worst[name], (hidden - reference).abs().max().item())
+                (first_calls if r < len(LENGTHS) else times)[name].append(seconds)
+    eager = statistics.median(times["eager"])
+    rows = [[name, f"{statistics.median(t) * 1e3:.2f}", f"{eager / statistics.median(t):.2f}x",
+             f"{worst[name]:.1e}", " ".join(f"{s:.2f}" for s in first_calls[name])] for name, t in times.items()]
+    print(f"BERT {4} layers, batch 8, lengths {LENGTHS}, {rounds} timed rounds, {torch.get_num_threads()} thread(s)")
+    print(tabulate(rows, headers=["variant", "median ms", "vs eager", "max |diff|", "first call per new length (s)"]))
+    graphs = variants["fxopt.optimize"].fxopt_reports
+    print(f"fxopt compiled {len(graphs)} graph(s); dynamic sizes of the last: {graphs[-1].dynamic_sizes}")
+
+
+def training(steps: int) -> None:
+    rows = []
+    for name, build, vocab in (("BertForSequenceClassification", lambda: _bert(classify=True), 30522),
+                               ("GPT2LMHeadModel", _gpt2, 50257)):
+        torch.manual_seed(0)
+        model = build().train()
+        reference = copy.deepcopy(model)
+        fast = fxopt.optimize(model, memory_budget=0.5)
+        losses = []
+        for step in range(steps):
+            ids, mask = _batch(LENGTHS[step % len(LENGTHS)], vocab=vocab, seed=step)
+            labels = torch.randint(0, 2, (ids.shape[0],)) if "Bert" in name else ids
+            pair = []
+            for m in (reference, fast):
+                torch.manual_seed(step)
+                loss = m(ids, attention_mask=mask, labels=labels).loss
+                loss.backward()
+                pair.append(loss.item())
+            model.zero_grad(), reference.zero_grad()
+            losses.append(pair)
+        equal = all(a == b for a, b in losses)
+        ids, mask = _batch(100, vocab=vocab, seed=99)  # a length neither has seen
+        labels = torch.randint(0, 2, (ids.shape[0],)) if "Bert" in name else ids
+
+        def loss_of(m):
+            return lambda i: m(i, attention_mask=mask, labels=labels).loss
+
+        eager_peak = measure_allocator_peak(reference, (ids,), forward=loss_of(reference))
+        fxopt_peak = measure_allocator_peak(model, (ids,), forward=loss_of(fast))
+        plans = [r["checkpoint_activations"].figures.get("regions", []) for r in fast.fxopt_reports
+                 if any(p.name == "checkpoint_activations" for p in r.passes)]
+        rows.append([name, steps, "yes" if equal else f"no: {losses}", f"{eager_peak / 2**20:.1f}",
+                     f"{fxopt_peak / 2**20:.1f}", f"{fxopt_peak / eager_peak:.3f}", len(fast.fxopt_reports),
+                     len(plans[-1]) if plans else 0])
+    print(tabulate(rows, headers=["model", "steps", "losses equal eager's", "eager peak MiB (len 100)",
+                                  "fxopt peak MiB", "ratio", "graphs", "regions (last plan)"]))
+
+
+def overhead(calls: int) -> None:
+    mlp = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(1, 16)
+
+    class Unoptimizable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 4)
+
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return self.lin(x)
+
+    opaque = Unoptimizable().eval()
+    cases = {"MLP, guards hold": (mlp, {"fxopt": fxopt.optimize(mlp, x),
+                                       "Dynamo alone": torch.compile(copy.deepcopy(mlp), backend="eager")}),
+             "every line breaks the graph": (opaque, {"fxopt": fxopt.optimize(opaque, x)})}
+    rows = []
+    with torch.no_grad():
+        for case, (model, variants) in cases.items():
+            fns = {"eager": model, **variants}
+            samples = {name: [] for name in fns}
+            for _ in range(calls):
+                for name, fn in fns.items():
+                    samples[name].append(_time(lambda: fn(x))[0])
+            eager = statistics.median(samples["eager"])
+            for name, s in samples.items():
+                rows.append([case, name, f"{statistics.median(s) * 1e6:.1f}", f"{statistics.median(s) / eager:.2f}x"])
+    print(tabulate(rows, headers=["case", "variant", "median µs per call", "vs eager"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("inference", "training", "overhead", "all"), default="all")
+    parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.part in ("inference", "all"):
+        inference(args.rounds)
+    if args.part in ("training", "all"):
+        training(args.steps)
+    if args.part in ("overhead", "all"):
+        overhead(2000)
+
+
+if __name__ == "__main__":
+    main()
