@@ -31,17 +31,17 @@ import torch.fx as fx
 
 from .. import _torch_private
 from .ops import ConvCall
-from .replayed_calls import NotReplayable, argument_spec, real_argument, tensor_spec
+from .replayed_calls import NotReplayable, call_spec, real_call, replaying, tensor_spec
 
 MEASURED_OPS = ("convolution", "convolution_backward")  # ATen ops whose CPU kernels allocate scratch
 
 
 @functools.lru_cache(maxsize=1024)
-def _measured(target, args: tuple, kwargs: tuple, threads: int) -> tuple[int, int]:
-    """(the most bytes held at once, the bytes still held when it returns: its outputs) of one call at `threads`
-    intra-op threads (ATen's and oneDNN's paths depend on it), or (0, 0) where it cannot be replayed."""
-    with _torch_private.unset_fake_mode():
-        real_args, real_kwargs = [real_argument(a) for a in args], {k: real_argument(v) for k, v in kwargs}
+def _measured(target, spec: tuple, threads: int) -> tuple[int, int]:
+    """(the most bytes held at once, the bytes still held when it returns: its outputs) of one call (a `call_spec`)
+    at `threads` intra-op threads (ATen's and oneDNN's paths depend on it), or (0, 0) where it cannot be replayed."""
+    with replaying(spec):
+        real_args, real_kwargs = real_call(spec)
         try:
             with _torch_private.allocation_profile() as prof:
                 outputs = target(*real_args, **real_kwargs)  # held until the profile ends: `live` counts them
@@ -51,10 +51,10 @@ def _measured(target, args: tuple, kwargs: tuple, threads: int) -> tuple[int, in
     return _torch_private.allocation_peak(prof)
 
 
-def _measure(target, args: tuple, kwargs: tuple) -> tuple[int, int]:
+def _measure(target, spec: tuple) -> tuple[int, int]:
     if _torch_private.profiler_running():
         return 0, 0  # the caller's profiler is recording: a second one would end its session (not cached)
-    return _measured(target, args, kwargs, torch.get_num_threads())
+    return _measured(target, spec, torch.get_num_threads())
 
 
 def call_peak(node: fx.Node) -> int:
@@ -63,11 +63,10 @@ def call_peak(node: fx.Node) -> int:
     if node.op != "call_function" or _torch_private.aten_op_name(node.target) not in MEASURED_OPS:
         return 0
     try:
-        args = argument_spec(tuple(node.args))
-        kwargs = tuple(sorted((k, argument_spec(v)) for k, v in node.kwargs.items()))
+        spec = call_spec(node)
     except NotReplayable:
         return 0
-    return _measure(node.target, args, kwargs)[0]
+    return _measure(node.target, spec)[0]
 
 
 def _tuple(value, dims: int) -> tuple[int, ...]:
@@ -86,5 +85,5 @@ def conv_backward_scratch(conv: ConvCall, input_grad: bool, weight_grad: bool) -
         return 0
     args = (y, x, weight, None, _tuple(conv.stride, dims), _tuple(conv.padding, dims), _tuple(conv.dilation, dims),
             conv.transposed, _tuple(conv.output_padding, dims), conv.groups, (input_grad, weight_grad, False))
-    peak, returned = _measure(torch.ops.aten.convolution_backward.default, args, ())
+    peak, returned = _measure(torch.ops.aten.convolution_backward.default, (args, ()))
     return peak - returned

@@ -61,10 +61,9 @@ from .flops import node_flops
 from .grad_needs import analyze_grad_needs
 from .kept_outputs import kept_output
 from .op_times import node_seconds, replay_key
-from .opaque_memory import measured as measured_opaque
 from .region_overhead import RegionOverhead, region_overhead
 from .ops import match_batch_norm, match_conv, resolve
-from .saved_tensors import saved_bytes, saved_copies, saved_for_backward, tensor_bytes
+from .saved_tensors import measurement, saved_bytes, saved_copies, saved_for_backward, tensor_bytes
 from .shapes import tensor_meta
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
@@ -94,6 +93,8 @@ class Step:
     # BatchNorm, what it replays from or copies of its running statistics (batch_norm_once)
     packs: bool = False  # autograd saves some tensor for its backward, a parameter or graph input (not in `saved`:
     # they cost no memory) included: what checkpoint's early stop counts
+    memory_known: bool = True  # what it keeps comes from the saved-tensors table or a measurement, not a guess
+    # (fxopt.analysis.saved_tensors: an op neither knows, or attention that could not be run to measure it)
 
     @property
     def replay_saving(self) -> int:
@@ -494,8 +495,9 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
                 creates.add(key)
         outputs = frozenset(creates)
         reads = {_storage(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))} - free
-        saved = _saved_keys(node, free, nbytes) if node in needs_grad else set()
-        packs = node in needs_grad and (bool(saved) or _saves_any(node))
+        requires_grad = grad_needs.requires_grad
+        saved = _saved_keys(node, free, nbytes, requires_grad) if node in needs_grad else set()
+        packs = node in needs_grad and (bool(saved) or _saves_any(node, requires_grad))
         creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
         mask = _replay_mask(node, nbytes)
         creates |= mask
@@ -505,7 +507,8 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
                           seconds.get(node.name, 0.0) if timed else None, mask,
                           seconds.get(replay_key(node.name)) if timed else None, outputs,
                           _backward_scratch(node, grad_needs) if node in needs_grad else None,
-                          _statistics_kept(node), packs))
+                          _statistics_kept(node), packs,
+                          node not in needs_grad or saved_for_backward(node, requires_grad).known))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -542,9 +545,10 @@ def _statistics_kept(node: fx.Node) -> int:
 
 def _backward_scratch(node: fx.Node, grad_needs) -> int | None:
     """What `node`'s backward allocates beyond its gradients: a convolution's scratch, an opaque op's as measured
-    (fxopt.analysis.opaque_memory), else fxopt.analysis.backward_temporaries' rule (None where that is nothing)."""
+    (fxopt.analysis.saved_tensors.measurement: an opaque op, attention, an op the table does not know), else
+    fxopt.analysis.backward_temporaries' rule (None where that is nothing)."""
     scratch = _conv_scratch(node, grad_needs)
-    if scratch is None and (opaque := measured_opaque(node)) is not None:
+    if scratch is None and (opaque := measurement(node, grad_needs.requires_grad)) is not None:
         scratch = opaque.backward_scratch
     return scratch if scratch is not None else backward_temporary(node, grad_needs.requires_grad) or None
 
@@ -569,17 +573,17 @@ def _is_copy(key: Key) -> bool:
     return isinstance(key, tuple) and key[0] == COPY
 
 
-def _saved_keys(node: fx.Node, free: set, nbytes: dict) -> set:
+def _saved_keys(node: fx.Node, free: set, nbytes: dict, requires_grad) -> set:
     """Storages kept for `node`'s backward; bytes saved beyond its inputs/output get a private key, and the
     copies it saves of its inputs (saved_tensors.saved_copies) a key of their own: a selective region does
-    not cache them (their op, a copy, is recomputed)."""
-    info, (copies, copied_bytes) = saved_for_backward(node), saved_copies(node)
+    not cache them (their op, a copy, is recomputed). `requires_grad`: the values that need a gradient."""
+    info, (copies, copied_bytes) = saved_for_backward(node, requires_grad), saved_copies(node)
     tensors = [t for a in info.saved_inputs if a not in copies for t in _tensors(a.meta.get("val"))]
     if info.saves_output:
         tensors += _tensors(node.meta.get("val"))
     keys = {_storage(t) for t in tensors} - free
     keys = {k for k in keys if k in nbytes}
-    private = saved_bytes(node) - copied_bytes - sum(nbytes[k] for k in keys)
+    private = saved_bytes(node, requires_grad) - copied_bytes - sum(nbytes[k] for k in keys)
     for kind, size in ((COPY, copied_bytes), ("private", private)):
         if size > 0:
             nbytes[kind, node.name] = size
@@ -587,9 +591,9 @@ def _saved_keys(node: fx.Node, free: set, nbytes: dict) -> set:
     return keys
 
 
-def _saves_any(node: fx.Node) -> bool:
+def _saves_any(node: fx.Node, requires_grad) -> bool:
     """Whether autograd saves any tensor for `node`'s backward, free ones (parameters, graph inputs) included."""
-    info = saved_for_backward(node)
+    info = saved_for_backward(node, requires_grad)
     return info.saves_output or any(_tensors(a.meta.get("val")) for a in info.saved_inputs)
 
 
