@@ -13,6 +13,8 @@ from fxopt.analysis.memory import estimate, step_profile
 from fxopt.analysis.saved_tensors import measurement, saved_for_backward
 from fxopt.measure import measure_allocator_peak
 
+from named_regions import extract_regions, named_regions
+
 
 class Attention(torch.nn.Module):
     """Self-attention through SDPA: q, k, v projections, an optional mask (none, bool or float, broadcast over heads
@@ -128,3 +130,28 @@ def test_cuda_measurement_is_the_allocators(kind):
     profile = step_profile(opt.graph_module)
     assert all(s.memory_known for s in profile.steps)
     assert estimate(profile).peak == pytest.approx(measure_allocator_peak(model, (x,)), rel=0.03)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["flash", "math"])
+def test_regions_recomputing_attention_predict_the_allocators_peak(dropout):
+    """Whole regions over each SDPA layer recompute its attention from the same measurement: the predicted step peak
+    is the allocator's within 1%."""
+    model, x = _model(dropout=dropout), torch.randn(4, 96, 64)
+    opt = fxopt.optimize(model, (x,), mode="training", passes=[])
+    profile = step_profile(opt.graph_module)
+    bounds = (("linear", "add"), ("linear_2", "add_1"))
+    regions = named_regions(profile, bounds)
+    predicted = estimate(profile, regions).peak
+    extract_regions(opt.graph_module, profile, regions)
+    assert predicted == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.01)
+
+
+def test_no_selective_region_sees_inside_the_math_path():
+    """A selective policy would keep the products inside dropout's math-path attention, which the model does not
+    describe: such regions are not planned (the flash kernel, one op, may be kept whole)."""
+    x = torch.randn(4, 96, 64)
+    for dropout, sees_inside in ((0.0, False), (0.1, True)):
+        profile = step_profile(fxopt.optimize(_model(dropout=dropout), (x,), mode="training",
+                                              passes=[]).graph_module)
+        (region,) = named_regions(profile, (("linear", "add"),), save_counted=True)
+        assert profile.policy_sees_inside(region) is sees_inside

@@ -95,6 +95,8 @@ class Step:
     # they cost no memory) included: what checkpoint's early stop counts
     memory_known: bool = True  # what it keeps comes from the saved-tensors table or a measurement, not a guess
     # (fxopt.analysis.saved_tensors: an op neither knows, or attention that could not be run to measure it)
+    runs_as_ops: bool = False  # a counted op autograd records as several ops (attention's math path): torch's
+    # selective checkpoint policy sees the products inside it and keeps those, not its output (policy_sees_inside)
 
     @property
     def replay_saving(self) -> int:
@@ -257,6 +259,12 @@ class StepProfile:
         dispatched = r.save_counted and not self.keeps_itself(r)
         return self.overhead.selective_per_op if dispatched else self.overhead.per_op
 
+    def policy_sees_inside(self, r: Region) -> bool:
+        """Whether a selective region over r would run an op torch's policy sees as several (Step.runs_as_ops): it
+        would keep the products inside that op, which this model does not describe, so the planner makes no such
+        region."""
+        return r.save_counted and not self.keeps_itself(r) and self._sum(self._runs_as_ops_prefix, r) > 0
+
     def has_replayable_dropout(self, r: Region) -> bool:
         """Whether a region over r's steps may replay dropouts from masks: it has one, and no other op in it
         draws random numbers (fxopt.analysis.dropout_replay.replayable_dropouts)."""
@@ -282,6 +290,7 @@ class StepProfile:
         self._mask_prefix = list(itertools.accumulate((bool(s.mask) for s in self.steps), initial=0))
         self._unreplayed_random_prefix = list(itertools.accumulate(map(draws_unreplayed, (s.node for s in self.steps)),
                                                                    initial=0))
+        self._runs_as_ops_prefix = list(itertools.accumulate((s.runs_as_ops for s in self.steps), initial=0))
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_not_kept_prefix = list(itertools.accumulate(
             (s.counted and kept_output(s.node) is None for s in self.steps), initial=0))
@@ -508,7 +517,8 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
                           seconds.get(replay_key(node.name)) if timed else None, outputs,
                           _backward_scratch(node, grad_needs) if node in needs_grad else None,
                           _statistics_kept(node), packs,
-                          node not in needs_grad or saved_for_backward(node, requires_grad).known))
+                          node not in needs_grad or saved_for_backward(node, requires_grad).known,
+                          flops.get(node.name, 0) > 0 and _runs_as_ops(node, requires_grad)))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -526,6 +536,12 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
     overhead = region_overhead(_device(gm)) if seconds is not None else None
     rng_state = torch.get_rng_state().untyped_storage().nbytes() if _device(gm).type == "cpu" else 0
     return StepProfile(steps, nbytes, last_read, grads, overhead, rng_state, loss_outputs)
+
+
+def _runs_as_ops(node: fx.Node, requires_grad) -> bool:
+    """Whether autograd records `node` as several ops (Step.runs_as_ops), as its measurement shows."""
+    measured = measurement(node, requires_grad)
+    return measured is not None and measured.autograd_nodes > 1
 
 
 def _statistics_kept(node: fx.Node) -> int:

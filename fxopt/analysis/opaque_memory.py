@@ -41,6 +41,8 @@ class OpaqueMemory:
     saves_output: bool  # keeps one of its outputs
     private_bytes: int  # bytes of the other tensors it keeps
     backward_scratch: int  # the most its backward holds beyond the gradients it returns
+    autograd_nodes: int = 1  # the backward nodes autograd records for it: more than one where it runs as several ops
+    # (attention's math path: its products, softmax and dropout), each of which a selective checkpoint policy sees
 
 
 @functools.lru_cache(maxsize=512)
@@ -65,6 +67,7 @@ def _measured(target, spec: tuple, grads: tuple[bool, ...], threads: int) -> Opa
                 kept = {storage(t): t.untyped_storage().nbytes() for t in saved}
                 del saved  # autograd alone holds them now, and frees each once its backward has run
                 differentiable = [o for o in outputs if o.requires_grad]
+                recorded = _recorded_nodes(differentiable)
                 seeds = [torch.ones_like(o) for o in differentiable]
                 marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)  # where the backward begins, in the events
                 wanted = [t for t in inputs if t.requires_grad]
@@ -79,7 +82,19 @@ def _measured(target, spec: tuple, grads: tuple[bool, ...], threads: int) -> Opa
         saved_inputs=tuple(sorted(inputs_at[k] for k in kept if k in inputs_at)),
         saves_output=any(k in outputs_at for k in kept),
         private_bytes=sum(n for k, n in kept.items() if k not in inputs_at and k not in outputs_at),
-        backward_scratch=max(0, _peak_after(prof, marker.data_ptr()) - returned))
+        backward_scratch=max(0, _peak_after(prof, marker.data_ptr()) - returned), autograd_nodes=recorded)
+
+
+def _recorded_nodes(outputs: list[torch.Tensor]) -> int:
+    """How many backward nodes autograd recorded from `outputs` back to the leaves (gradient accumulators aside)."""
+    seen, pending = set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while pending:
+        fn = pending.pop()
+        if fn is None or fn in seen or type(fn).__name__ == "AccumulateGrad":
+            continue
+        seen.add(fn)
+        pending.extend(next_fn for next_fn, _ in fn.next_functions)
+    return len(seen)
 
 
 _MARKER_BYTES = 4099  # a size no tensor of the measured op has

@@ -258,7 +258,11 @@ class CheckpointActivations(Pass):
         limit = amount * reference if kind == "fraction" else amount
         writes, conflicts = KeptWrites(gm, profile), {}
 
-        def keeps_nothing_written_later(region: Region) -> bool:
+        def may_make(region: Region) -> bool:
+            """A region the plan may hold: none whose selective policy would see inside an attention, none that
+            keeps a tensor written in place later (noting the first such conflict per value)."""
+            if profile.policy_sees_inside(region):  # a selective policy would keep products inside an attention
+                return False
             if writes.write_inside(region) is not None:
                 return False
             conflict = writes.conflict(region)
@@ -268,16 +272,16 @@ class CheckpointActivations(Pass):
 
         if profile.timed:  # regions priced by what one of this graph's blocks costs as a region
             span = calibration_span(profile, sorted(region_boundaries(profile)), checkpointable,
-                                    keeps_nothing_written_later)
+                                    may_make)
             calibrated = calibrated_overhead(gm, profile, span) if span is not None else None
             if calibrated is not None:
                 profile.overhead = calibrated
                 result.figures["region_overhead_ms"] = {"whole": round(calibrated.per_region * 1e3, 3),
                                                         "selective": round(calibrated.selective_per_region * 1e3, 3)}
-        regions = plan_regions(profile, limit, checkpointable, allowed=keeps_nothing_written_later)
+        regions = plan_regions(profile, limit, checkpointable, allowed=may_make)
         unreachable = regions is None
         if unreachable:
-            regions = plan_floor(profile, checkpointable, allowed=keeps_nothing_written_later)
+            regions = plan_floor(profile, checkpointable, allowed=may_make)
         if unreachable:
             lowest = estimate(profile, regions).peak
             why = _why_unreachable(result)
