@@ -47,7 +47,7 @@ def _configs(full: bool, layers: int = 2, medium: bool = False) -> dict:
             "convnext": (lambda: t.ConvNextModel(t.ConvNextConfig()), "image", 224, 2),
             "vit": (lambda: t.ViTModel(t.ViTConfig(**text)), "image", 224, 4),
             "bert": (lambda: t.BertModel(t.BertConfig(**text)), "tokens", 128, 8),
-            "gpt2": (lambda: t.GPT2Model(t.GPT2Config(n_embd=384, n_layer=6, n_head=6, use_cache=False)),
+            "gpt2": (lambda: t.GPT2Model(t.GPT2Config(n_embd=384, n_layer=6, n_head=6)),
                      "tokens", 128, 8),
         }
     if full:
@@ -57,7 +57,7 @@ def _configs(full: bool, layers: int = 2, medium: bool = False) -> dict:
             "convnext": (lambda: t.ConvNextModel(t.ConvNextConfig()), "image", 224),
             "vit": (lambda: t.ViTModel(t.ViTConfig()), "image", 224),
             "bert": (lambda: t.BertModel(t.BertConfig()), "tokens", 128),
-            "gpt2": (lambda: t.GPT2Model(t.GPT2Config(use_cache=False)), "tokens", 128),
+            "gpt2": (lambda: t.GPT2Model(t.GPT2Config()), "tokens", 128),
         }
     text = dict(vocab_size=100)
     return {
@@ -70,7 +70,7 @@ def _configs(full: bool, layers: int = 2, medium: bool = False) -> dict:
                                                num_attention_heads=2, intermediate_size=128)), "image", 64),
         "bert": (lambda: t.BertModel(t.BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=2,
                                                   intermediate_size=128, **text)), "tokens", 32),
-        "gpt2": (lambda: t.GPT2Model(t.GPT2Config(n_embd=64, n_layer=layers, n_head=2, use_cache=False, **text)),
+        "gpt2": (lambda: t.GPT2Model(t.GPT2Config(n_embd=64, n_layer=layers, n_head=2, **text)),
                  "tokens", 32),
     }
 

@@ -47,7 +47,7 @@ def hf_bert():
 
 def hf_gpt2():
     return transformers.GPT2Model(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=32,
-                                                          use_cache=False, **SMALL_TEXT))
+                                                          **SMALL_TEXT))
 
 
 HEAVY = pytest.mark.slow  # 5-20 s each on 2 cores: CI's second step (`make test-slow`)
@@ -87,7 +87,7 @@ def test_grouped_query_attention_gradients_are_eager_bits():
     torch.manual_seed(0)
     model = transformers.LlamaModel(transformers.LlamaConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        max_position_embeddings=64, use_cache=False, **SMALL_TEXT)).train()
+        max_position_embeddings=64, **SMALL_TEXT)).train()
     tokens = torch.randint(0, 100, (2, 64))  # at 16 tokens the per-head copies happened to give the same bits
     optimized = fxopt.optimize(model, (tokens,), mode="training")
     assert_same_step(model, optimized, (tokens,), training=True, rtol=0, atol=0)

@@ -136,16 +136,16 @@ def test_setting_a_plain_attribute_on_the_result_sets_it_on_the_model():
 
 
 def test_hugging_face_attention_flag_changed_after_optimize():
-    """GPT-2's `scale_attn_weights` (read in its attention's forward) switched off after optimize is honoured."""
+    """GPT-2's attention `scaling` (read in its SDPA attention's forward; `scale_attn_weights` only sets it at
+    construction) changed after optimize is honoured."""
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=100, n_layer=2, n_embd=32, n_head=2, use_cache=False,
-                                     attn_implementation="eager")
+    config = transformers.GPT2Config(vocab_size=100, n_layer=2, n_embd=32, n_head=2)
     model = transformers.GPT2Model(config).train()
     tokens = torch.randint(0, 100, (2, 8))
     reference = copy.deepcopy(model)
     result = optimize_quietly(model, (tokens,), mode="training")
     for target in (model, reference):
-        target.h[0].attn.scale_attn_weights = False
+        target.h[0].attn.scaling = 1.0
 
     def hidden(m):
         torch.manual_seed(3)
@@ -153,8 +153,7 @@ def test_hugging_face_attention_flag_changed_after_optimize():
         out.pow(2).mean().backward()
         return out.detach(), {n: p.grad for n, p in m.named_parameters()}
 
-    with pytest.warns(UserWarning, match="scale_attn_weights"):
-        got, got_grads = hidden(result)
+    got, got_grads = hidden(result)
     expected, expected_grads = hidden(reference)
     torch.testing.assert_close(got, expected)
     assert_same({f"grad:{n}": g for n, g in expected_grads.items() if g is not None},
