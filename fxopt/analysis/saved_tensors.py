@@ -267,10 +267,29 @@ def saved_for_backward(node: fx.Node, requires_grad: Collection[fx.Node] | None 
     if rule is None:
         return SavedForBackward(True, inputs, False)
     operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and a in inputs]
-    kept = {NONE: (), FIRST: inputs[:1], ALL: inputs, OPERANDS: inputs if len(operands) > 1 else (),
+    kept = {NONE: (), FIRST: inputs[:1], ALL: inputs, OPERANDS: _kept_operands(node, operands, requires_grad),
             FACTORS: tuple(dict.fromkeys(a for a in _factors(node) if isinstance(a, fx.Node)))}[rule.inputs]
     output = rule.output(node) if callable(rule.output) else rule.output
     return SavedForBackward(output, kept, not measured_by_running(node))
+
+
+def _kept_operands(node: fx.Node, operands: list[fx.Node], requires_grad: Collection[fx.Node] | None) -> tuple:
+    """The operands a product keeps: each for the other's gradient. Unknown gradients (`requires_grad` None): all of
+    them, when there are two. Known: `mul` keeps one operand where the other needs a gradient (rotary embeddings'
+    `q * cos` keeps `cos` alone, not the query), a quotient its divisor where either does and its dividend where the
+    divisor does (ATen's derivatives of mul and div)."""
+    if len(operands) < 2:
+        return ()
+    if requires_grad is None:
+        return tuple(operands)
+    first, second = operands[0], operands[1]
+    if op_name(node) == "mul":
+        kept = [first] if second in requires_grad else []
+        kept += [second] if first in requires_grad else []
+    else:
+        kept = [first] if second in requires_grad else []
+        kept += [second] if first in requires_grad or second in requires_grad else []
+    return tuple(dict.fromkeys(kept))
 
 
 def _factors(node: fx.Node) -> tuple:
