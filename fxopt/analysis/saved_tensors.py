@@ -32,6 +32,7 @@ from .. import _torch_private
 from ..graph_functions import declared
 from ..op_names import op_name
 from .ops import match_batch_norm
+from .call_peaks import ATTENTION_FORWARD_OPS
 from .opaque_memory import OpaqueMemory, measured, measured_call
 from .replayed_calls import call_input_nodes
 from .shapes import tensor_meta
@@ -158,10 +159,7 @@ _TABLE: dict[str, _Rule] = {
 
 # Ops whose kernel torch picks at run time, from the device, dtype, dropout, the mask's kind and shape, causality and
 # which inputs need a gradient (SDPA and the ATen ops it dispatches to): what they keep and allocate is measured.
-RUNTIME_KERNEL_OPS = frozenset({
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "_efficient_attention_forward",
-    "_flash_attention_forward"})
+RUNTIME_KERNEL_OPS = ATTENTION_FORWARD_OPS
 
 
 def _unknown_aten_op(node: fx.Node) -> bool:
