@@ -209,3 +209,12 @@ def test_product_with_a_constant_factor_keeps_only_that_factor():
     model, x = _Rotary().train(), torch.randn(4, 32, 64)
     profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module)
     assert estimate(profile).saved_bytes == measure_saved_bytes(lambda: model(x), model) - x.nbytes
+
+
+def test_unmet_budget_names_a_waiting_tied_gradient():
+    """Where a tied parameter's waiting gradient holds the floor, the unmet budget's warning names the parameter and
+    what would remove it."""
+    torch.manual_seed(0)
+    model, tokens = _TiedEmbedding(vocab=40000).train(), torch.randint(0, 40000, (4, 32))
+    with pytest.warns(UserWarning, match=r"the gradient of embed\.weight .*\(tied\).*freezing a tied parameter"):
+        fxopt.optimize(model, (tokens,), mode="training", memory_budget=0.3, passes=["checkpoint_activations"])

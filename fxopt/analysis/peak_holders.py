@@ -3,7 +3,9 @@
 An unmet memory budget is only useful to the user with what stands in the way. `peak_holders(profile, regions)`
 walks the plan as fxopt.analysis.memory.estimate does, finds the segment whose backward holds the peak, and sums
 what is kept at that moment (what every segment up to it keeps: backward runs last segment first) by the op that
-made each tensor; what the backward there holds beyond that (gradients, scratch) is reported beside it.
+made each tensor; what the backward there holds beyond that (gradients, scratch) is reported beside it, and among
+those gradients the ones of parameters read both before and after that point (tied weights: their gradient waits
+there for the rest of its sum, fxopt.analysis.memory).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class PeakHolders:
     at: str  # the node (or the first node of the region) whose backward holds the peak
     kept: tuple[tuple[str, int], ...]  # (op that made them, bytes kept) at the peak, largest first
     above_kept: int  # bytes beyond what is kept there: gradients in flight, a backward's scratch, a recomputation
+    waiting: tuple[tuple[str, int], ...] = ()  # (parameter, bytes) of tied parameters' gradients waiting there
 
 
 def peak_holders(profile: StepProfile, regions: Sequence[Region] = (), top: int = 3) -> PeakHolders | None:
@@ -39,8 +42,22 @@ def peak_holders(profile: StepProfile, regions: Sequence[Region] = (), top: int 
     by_op = Counter()
     for k in keys:
         by_op[maker.get(k) or _owner(k)] += profile.nbytes[k]
-    at = profile.steps[seg if isinstance(seg, int) else seg.start].node.name
-    return PeakHolders(at, tuple(by_op.most_common(top)), peak - kept_total)
+    position = seg if isinstance(seg, int) else seg.start
+    return PeakHolders(profile.steps[position].node.name, tuple(by_op.most_common(top)), peak - kept_total,
+                       _waiting_gradients(profile, position))
+
+
+def _waiting_gradients(profile: StepProfile, at: int) -> tuple[tuple[str, int], ...]:
+    """Parameters (get_attr nodes) read at `at` or before and after it: their gradient is alive at `at`'s backward."""
+    position = {s.node: p for p, s in enumerate(profile.steps)}
+    params = {a for s in profile.steps for a in s.node.all_input_nodes if a.op == "get_attr"}
+    waiting = []
+    for param in params:
+        readers = [position[u] for u in param.users if u in position]
+        value = param.meta.get("val")
+        if len(set(readers)) > 1 and min(readers) <= at < max(readers) and value is not None:
+            waiting.append((param.target, value.numel() * value.element_size()))
+    return tuple(sorted(waiting, key=lambda w: -w[1]))
 
 
 def _owner(key) -> str:

@@ -171,19 +171,27 @@ def _why_unreachable(result: PassResult) -> str:
 def _peak_text(profile: StepProfile, regions, refused: bool) -> str:
     """Which ops hold the lowest reachable peak, and what the user could change (for the NOT met warning)."""
     holders = peak_holders(profile, regions)
-    if holders is None or not holders.kept:
+    if holders is None:
         return ""
-    names = ", ".join(f"{name} {_megabytes(n)}" for name, n in holders.kept)
-    text = (f"at {holders.at}'s backward the peak holds tensors kept by {names} (and {_megabytes(holders.above_kept)}"
-            f" of gradients and scratch)")
-    made = {s.node.name: s.node for s in profile.steps}
-    math_attention = [name for name, _ in holders.kept if name in made and op_name(made[name]) in RUNTIME_KERNEL_OPS
-                      and (m := measurement(made[name])) is not None and m.private_bytes]
-    if math_attention:
-        return (f"{text}; attention ({', '.join(math_attention)}) keeps its sequence-square weights and dropout mask "
-                f"(torch's math kernel, chosen for attention dropout or a mask that needs a gradient): attention "
-                f"dropout 0 lets torch run a kernel that keeps far less; else lower the batch or sequence length")
-    return f"{text}; lower the batch or sequence length{', or make the refused nodes recomputable' if refused else ''}"
+    parts, hints = [], []
+    if holders.kept:
+        parts.append("tensors kept by " + ", ".join(f"{name} {_megabytes(n)}" for name, n in holders.kept))
+        made = {s.node.name: s.node for s in profile.steps}
+        math_attention = [name for name, _ in holders.kept if name in made
+                          and op_name(made[name]) in RUNTIME_KERNEL_OPS
+                          and (m := measurement(made[name])) is not None and m.private_bytes]
+        if math_attention:
+            hints.append(f"attention ({', '.join(math_attention)}) keeps its sequence-square weights and dropout mask "
+                         f"(torch's math kernel, chosen for attention dropout or a mask that needs a gradient): "
+                         f"attention dropout 0 lets torch run a kernel that keeps far less")
+    if holders.waiting:
+        parts.append("the gradient of " + ", ".join(f"{name} {_megabytes(n)}" for name, n in holders.waiting)
+                     + ", read at several places (tied), waiting for its sum")
+        hints.append("freezing a tied parameter, or a sparse embedding gradient, removes its waiting gradient")
+    parts.append(f"{_megabytes(holders.above_kept)} of gradients and scratch in all")
+    hints.append("a smaller batch or sequence lowers every activation" +
+                 (", and recomputable nodes in place of the refused ones more of them" if refused else ""))
+    return f"at {holders.at}'s backward the peak holds {'; '.join(parts)}; to lower it: {'; '.join(hints)}"
 
 
 def _unmeasured(profile: StepProfile, result: PassResult) -> None:
