@@ -6,9 +6,8 @@ fxopt.capture.autograd_functions) runs code fxopt does not read; `scaled_dot_pro
 torch picks at run time keeps (on CPU the flash kernel its inputs, output and log-sum-exp; the math path, taken with
 dropout or a mask that needs a gradient, the sequence-square attention weights and the dropout mask too; on CUDA the
 flash, memory-efficient and cuDNN kernels each something else); an op the table does not know may keep anything.
-Taken to keep its inputs and output and to allocate nothing in its backward, HF BLOOM's GELU (which keeps its input
-alone and makes four input-sized temporaries in its backward) left BLOOM's measured step peak 14-21% above the
-estimate; SDPA taken as the flash kernel left BERT's with attention dropout 20% below it.
+A guess (its inputs and output kept, nothing allocated in its backward) misses both ways: a Function keeping its
+input alone and making temporaries in its backward (HF BLOOM's GELU), attention keeping sequence-square weights.
 
 `measured_call(node, requires_grad)` runs such a node once on real tensors shaped, strided and placed like its
 inputs (ones; fxopt.analysis.replayed_calls), the inputs it is told need a gradient requiring one, under
