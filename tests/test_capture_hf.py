@@ -47,7 +47,7 @@ def hf_bert():
 
 def hf_gpt2():
     return transformers.GPT2Model(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=32,
-                                                          **SMALL_TEXT))
+                                                          use_cache=False, **SMALL_TEXT))  # cache on: inference makes 2 graphs
 
 
 HEAVY = pytest.mark.slow  # 5-20 s each on 2 cores: CI's second step (`make test-slow`)
