@@ -63,7 +63,7 @@ from .kept_outputs import kept_output
 from .op_times import node_seconds, replay_key
 from .region_overhead import RegionOverhead, region_overhead
 from .ops import match_batch_norm, match_conv, resolve
-from .saved_tensors import measurement, saved_bytes, saved_copies, saved_for_backward, tensor_bytes
+from .saved_tensors import RUNTIME_KERNEL_OPS, measurement, saved_bytes, saved_copies, saved_for_backward, tensor_bytes
 from .shapes import tensor_meta
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
@@ -540,7 +540,10 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
 
 
 def _runs_as_ops(node: fx.Node, requires_grad) -> bool:
-    """Whether autograd records `node` as several ops (Step.runs_as_ops), as its measurement shows."""
+    """Whether autograd records attention `node` as several ops (Step.runs_as_ops), as its measurement shows (other ops
+    that decompose, einsum's products, leave the policy keeping their output all the same)."""
+    if op_name(node) not in RUNTIME_KERNEL_OPS:
+        return False
     measured = measurement(node, requires_grad)
     return measured is not None and measured.autograd_nodes > 1
 
