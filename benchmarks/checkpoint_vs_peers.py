@@ -1,8 +1,10 @@
 """Training memory on real models: fxopt's checkpoint_activations beside what users already have.
 
 Per model (Hugging Face, built from configs with random weights, wrapped to return
-`last_hidden_state`, loss = mean of its square; issue #12's sizes: BERT, GPT-2 and ViT 6 layers 384
-wide, BERT and GPT-2 sequence 128 batch 8, ViT, ResNet-50 and MobileNetV2 batch 4, ConvNeXt-T batch 2;
+`last_hidden_state`, loss = mean of its square; the library's default attention (SDPA) and dropout; issue #12's
+sizes: BERT, GPT-2 and ViT 6 layers 384 wide, BERT and GPT-2 sequence 128 batch 8, ViT, ResNet-50 and MobileNetV2
+batch 4, ConvNeXt-T batch 2; issue #39's: Llama 4 layers 256 wide (8 query heads sharing 2 key/value heads, no
+dropout in its default config) and BART 3+3 layers 256 wide (dropout 0.1, attention dropout 0), sequence 128 batch 8;
 `convnext`, not in the default list, is a smaller ConvNeXt: depths 2-2-2-2, widths 48-384, batch 2),
 one training step per variant:
 
@@ -64,14 +66,19 @@ def _models():
     images = torch.randn(4, 3, 224, 224)
     return {
         "bert": (lambda: hf.BertModel(hf.BertConfig(num_hidden_layers=6, hidden_size=384, num_attention_heads=6,
-                                                    intermediate_size=1536, attn_implementation="eager")),
+                                                    intermediate_size=1536)),
                  tokens, "encoder.layer"),
-        "gpt2": (lambda: hf.GPT2Model(hf.GPT2Config(n_layer=6, n_embd=384, n_head=6, use_cache=False,
-                                                    attn_implementation="eager")),
-                 tokens, "h"),
+        "gpt2": (lambda: hf.GPT2Model(hf.GPT2Config(n_layer=6, n_embd=384, n_head=6)), tokens, "h"),
         "vit": (lambda: hf.ViTModel(hf.ViTConfig(num_hidden_layers=6, hidden_size=384, num_attention_heads=6,
-                                                 intermediate_size=1536, attn_implementation="eager")),
+                                                 intermediate_size=1536)),
                 images, "layers"),
+        "llama": (lambda: hf.LlamaModel(hf.LlamaConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
+                                                       num_key_value_heads=2, intermediate_size=688)),
+                  tokens, "layers"),
+        "bart": (lambda: hf.BartModel(hf.BartConfig(encoder_layers=3, decoder_layers=3, d_model=256,
+                                                    encoder_attention_heads=4, decoder_attention_heads=4,
+                                                    encoder_ffn_dim=1024, decoder_ffn_dim=1024)),
+                 tokens, "encoder.layers"),
         "convnext": (lambda: hf.ConvNextModel(hf.ConvNextConfig(depths=[2, 2, 2, 2], hidden_sizes=[48, 96, 192, 384])),
                      images[:2], "encoder.stages"),
         "convnext_t": (lambda: hf.ConvNextModel(hf.ConvNextConfig()), images[:2], "encoder.stages"),

@@ -75,7 +75,7 @@ def _bert():
     import transformers as hf
 
     config = hf.BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=256,
-                           vocab_size=1000, attn_implementation="eager")  # BERT's 30522 words: the 15.6 MB
+                           vocab_size=1000)  # BERT's 30522 words: the 15.6 MB
     # embedding gradient (and, decomposed, its zero-filled temporary) would be most of the step peak
     return LastHiddenState(hf.BertModel(config)), torch.randint(0, 1000, (4, 64))
 

@@ -1,12 +1,14 @@
 """Training-memory benchmarks of every memory pass, side by side, in one process.
 
 Each pass keeps its scenarios in benchmarks/memory_<pass>.py, exposing `run(repeats) -> rows`
-(dicts with the same keys per file). This script runs the ones asked for and prints one
-table per pass. Peak bytes come from fxopt.measure (live storages, deterministic on CPU);
-times are medians of `--repeats` runs.
+(dicts with the same keys per file); `models` (benchmarks/memory_models.py) is the memory model on Hugging Face
+BERT, GPT-2, ViT, Llama and BART as users run them (SDPA, dropout on): estimate against the allocator, and
+checkpoint_activations' plan at budget 0.5. This script runs the ones asked for and prints one table each. Peak
+bytes come from fxopt.measure (deterministic on CPU); times are medians of `--repeats` runs.
 
-    python benchmarks/training_memory.py                 # every pass
+    python benchmarks/training_memory.py                 # every pass, and the models
     python benchmarks/training_memory.py inplace_relu    # one pass
+    python benchmarks/training_memory.py models          # the Hugging Face models (slow: minutes on 2 cores)
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import sys
 
 from tabulate import tabulate
 
-PASSES = ("inplace_relu", "checkpoint_activations", "prune_dead_grads")
+PASSES = ("inplace_relu", "checkpoint_activations", "prune_dead_grads", "models")
 
 
 def main() -> None:

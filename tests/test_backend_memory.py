@@ -368,8 +368,7 @@ def test_hf_bert_step_matches_eager_under_a_budget():
     """A small Hugging Face BERT (train mode, dropout on) under budget 0.5: outputs and gradients equal eager's."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-                                     attn_implementation="eager")
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64)
     model = LastHiddenState(transformers.BertModel(config)).double().train()
     backend = _compiled_matches_eager(model, torch.randint(0, 1000, (2, 16)), memory_budget=0.5)
     assert backend.reports[0]["checkpoint_activations"].figures["saved_bytes_after"] > 0
@@ -381,7 +380,7 @@ def test_hf_bert_predicted_step_peak_matches_the_allocator():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
-                                     vocab_size=500, attn_implementation="eager")
+                                     vocab_size=500)
     model, x = LastHiddenState(transformers.BertModel(config)).train(), torch.randint(0, 500, (4, 32))
     for budget in (1.0, 0.5):
         with warnings.catch_warnings():
@@ -398,7 +397,7 @@ def test_hf_bert_under_inductor_recomputes_its_attention_pattern_with_the_same_d
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
-                                     vocab_size=500, attn_implementation="eager")
+                                     vocab_size=500)
     model, x = LastHiddenState(transformers.BertModel(config)).train(), torch.randint(0, 500, (4, 32))
     steps = []
     for options in ({}, {"memory_budget": 0.1}):

@@ -149,14 +149,16 @@ def test_eval_mode_matches_in_float64():
 
 
 class _EinsumHead(nn.Module):
-    """A linear head written as an einsum: a product the region cannot keep itself (kept_output is None)."""
+    """A linear head written as an einsum, then a sigmoid: a product the region cannot keep itself (kept_output is
+    None), which its recomputation runs (the sigmoid saves what it makes; an einsum saves only its operands, as its
+    measurement shows, so alone at the end checkpoint's early stop would never reach it)."""
 
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(3, 8))
 
     def forward(self, x):
-        return torch.einsum("bc,dc->bd", x, self.weight)
+        return torch.einsum("bc,dc->bd", x, self.weight).sigmoid()
 
 
 def test_other_kept_ops_use_the_selective_policy():

@@ -1,5 +1,6 @@
-"""What a CPU convolution allocates while it runs, measured once per distinct call: the one source of both
-memory models (the eager step's, fxopt.analysis.memory, and a compiled partition's, fxopt.analysis.partition_memory).
+"""What a CPU convolution's backward allocates beyond the gradients it returns, measured: the eager step's model
+(fxopt.analysis.memory) reads it, as a compiled partition's (fxopt.analysis.partition_memory) reads the whole call's
+peak (fxopt.analysis.call_peaks, which measures both).
 
 On CPU, ATen runs a float convolution and its backward through oneDNN, which allocates beyond the
 result: copies of the operands in its own (blocked) layout, each gradient made twice (oneDNN's and
@@ -8,66 +9,21 @@ depthwise kernel above 3x3 (HF ConvNeXt's 7x7: 4.8 MB), a compact copy for a str
 allocates depends on the path ATen and oneDNN pick from the dtype, the operands' strides, the
 kernel's shape and the thread count (single-threaded, an unstrided 1x1 on a batch under 16 runs
 ATen's own `Slow2d`, a matrix product without scratch; float64 runs `Slow2d` with its column buffer):
-no formula of the shapes held over all of them. So the call is run once on real tensors of the
-same shapes, strides and dtype under the allocator's profiler (`_measured`, cached per call and thread count;
-the first call allocates as every later one), and what it held at once is read from the events:
+no formula of the shapes held over all of them. So `conv_backward_scratch(conv, input_grad, weight_grad)` runs
+the backward autograd runs for a matched convolution (`convolution_backward` of a gradient shaped and strided as
+its output) once (fxopt.analysis.call_peaks.measure) and returns what it holds beyond the gradients it returns,
+which the eager model counts already.
 
-* `call_peak(node)`: the most a graph's `convolution` / `convolution_backward` node holds at once,
-  outputs included (a compiled partition calls these ops itself);
-* `conv_backward_scratch(conv, input_grad, weight_grad)`: what the backward autograd runs for a
-  matched convolution (`convolution_backward` of a gradient shaped and strided as its output)
-  holds beyond the gradients it returns, which the eager model counts already.
-
-Not measured (0): other devices (CUDA's cuDNN workspace is its own), a call whose operands are not
-all known tensors, a string padding, a call that fails when replayed, and any call while a torch
-profiler records (a second one would end the caller's session; not cached).
+Not measured (0): other devices (CUDA's cuDNN workspace is its own), a string padding, operands that are not all
+known tensors, a call that fails when replayed or runs while a torch profiler records.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.fx as fx
 
-from .. import _torch_private
+from .call_peaks import measure
 from .ops import ConvCall
-from .replayed_calls import NotReplayable, argument_spec, real_argument, tensor_spec
-
-MEASURED_OPS = ("convolution", "convolution_backward")  # ATen ops whose CPU kernels allocate scratch
-
-
-@functools.lru_cache(maxsize=1024)
-def _measured(target, args: tuple, kwargs: tuple, threads: int) -> tuple[int, int]:
-    """(the most bytes held at once, the bytes still held when it returns: its outputs) of one call at `threads`
-    intra-op threads (ATen's and oneDNN's paths depend on it), or (0, 0) where it cannot be replayed."""
-    with _torch_private.unset_fake_mode():
-        real_args, real_kwargs = [real_argument(a) for a in args], {k: real_argument(v) for k, v in kwargs}
-        try:
-            with _torch_private.allocation_profile() as prof:
-                outputs = target(*real_args, **real_kwargs)  # held until the profile ends: `live` counts them
-        except Exception:  # noqa: BLE001  the call the graph makes could not be replayed: not measured
-            return 0, 0
-    del outputs
-    return _torch_private.allocation_peak(prof)
-
-
-def _measure(target, args: tuple, kwargs: tuple) -> tuple[int, int]:
-    if _torch_private.profiler_running():
-        return 0, 0  # the caller's profiler is recording: a second one would end its session (not cached)
-    return _measured(target, args, kwargs, torch.get_num_threads())
-
-
-def call_peak(node: fx.Node) -> int:
-    """The most bytes a CPU `convolution` or `convolution_backward` node holds at once while it runs, outputs
-    included; 0 for other nodes, or where it is not measured (module docstring)."""
-    if node.op != "call_function" or _torch_private.aten_op_name(node.target) not in MEASURED_OPS:
-        return 0
-    try:
-        args = argument_spec(tuple(node.args))
-        kwargs = tuple(sorted((k, argument_spec(v)) for k, v in node.kwargs.items()))
-    except NotReplayable:
-        return 0
-    return _measure(node.target, args, kwargs)[0]
+from .replayed_calls import NotReplayable, tensor_spec
 
 
 def _tuple(value, dims: int) -> tuple[int, ...]:
@@ -86,5 +42,5 @@ def conv_backward_scratch(conv: ConvCall, input_grad: bool, weight_grad: bool) -
         return 0
     args = (y, x, weight, None, _tuple(conv.stride, dims), _tuple(conv.padding, dims), _tuple(conv.dilation, dims),
             conv.transposed, _tuple(conv.output_padding, dims), conv.groups, (input_grad, weight_grad, False))
-    peak, returned = _measure(torch.ops.aten.convolution_backward.default, args, ())
+    peak, returned = measure(torch.ops.aten.convolution_backward.default, (args, ()))
     return peak - returned

@@ -61,10 +61,9 @@ from .flops import node_flops
 from .grad_needs import analyze_grad_needs
 from .kept_outputs import kept_output
 from .op_times import node_seconds, replay_key
-from .opaque_memory import measured as measured_opaque
 from .region_overhead import RegionOverhead, region_overhead
 from .ops import match_batch_norm, match_conv, resolve
-from .saved_tensors import saved_bytes, saved_copies, saved_for_backward, tensor_bytes
+from .saved_tensors import RUNTIME_KERNEL_OPS, measurement, saved_bytes, saved_copies, saved_for_backward, tensor_bytes
 from .shapes import tensor_meta
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
@@ -94,6 +93,10 @@ class Step:
     # BatchNorm, what it replays from or copies of its running statistics (batch_norm_once)
     packs: bool = False  # autograd saves some tensor for its backward, a parameter or graph input (not in `saved`:
     # they cost no memory) included: what checkpoint's early stop counts
+    memory_known: bool = True  # what it keeps comes from the saved-tensors table or a measurement, not a guess
+    # (fxopt.analysis.saved_tensors: an op neither knows, or attention that could not be run to measure it)
+    runs_as_ops: bool = False  # a counted op autograd records as several ops (attention's math path): torch's
+    # selective checkpoint policy sees the products inside it and keeps those, not its output (policy_sees_inside)
 
     @property
     def replay_saving(self) -> int:
@@ -256,6 +259,12 @@ class StepProfile:
         dispatched = r.save_counted and not self.keeps_itself(r)
         return self.overhead.selective_per_op if dispatched else self.overhead.per_op
 
+    def policy_sees_inside(self, r: Region) -> bool:
+        """Whether a selective region over r would run an op torch's policy sees as several (Step.runs_as_ops): it
+        would keep the products inside that op, which this model does not describe, so the planner makes no such
+        region."""
+        return r.save_counted and not self.keeps_itself(r) and self._sum(self._runs_as_ops_prefix, r) > 0
+
     def has_replayable_dropout(self, r: Region) -> bool:
         """Whether a region over r's steps may replay dropouts from masks: it has one, and no other op in it
         draws random numbers (fxopt.analysis.dropout_replay.replayable_dropouts)."""
@@ -281,6 +290,7 @@ class StepProfile:
         self._mask_prefix = list(itertools.accumulate((bool(s.mask) for s in self.steps), initial=0))
         self._unreplayed_random_prefix = list(itertools.accumulate(map(draws_unreplayed, (s.node for s in self.steps)),
                                                                    initial=0))
+        self._runs_as_ops_prefix = list(itertools.accumulate((s.runs_as_ops for s in self.steps), initial=0))
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_not_kept_prefix = list(itertools.accumulate(
             (s.counted and kept_output(s.node) is None for s in self.steps), initial=0))
@@ -494,8 +504,9 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
                 creates.add(key)
         outputs = frozenset(creates)
         reads = {_storage(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))} - free
-        saved = _saved_keys(node, free, nbytes) if node in needs_grad else set()
-        packs = node in needs_grad and (bool(saved) or _saves_any(node))
+        requires_grad = grad_needs.requires_grad
+        saved = _saved_keys(node, free, nbytes, requires_grad) if node in needs_grad else set()
+        packs = node in needs_grad and (bool(saved) or _saves_any(node, requires_grad))
         creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
         mask = _replay_mask(node, nbytes)
         creates |= mask
@@ -505,7 +516,9 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
                           seconds.get(node.name, 0.0) if timed else None, mask,
                           seconds.get(replay_key(node.name)) if timed else None, outputs,
                           _backward_scratch(node, grad_needs) if node in needs_grad else None,
-                          _statistics_kept(node), packs))
+                          _statistics_kept(node), packs,
+                          node not in needs_grad or saved_for_backward(node, requires_grad).known,
+                          flops.get(node.name, 0) > 0 and _runs_as_ops(node, requires_grad)))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:
@@ -519,10 +532,20 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
                              if _storage(t) in nbytes) if caller_loss else frozenset()
     grads = _gradient_bytes(calls, position, len(steps), needs_grad)
     trainable = frozenset(grad_needs.params_needing_grad)
-    grads = [g + _parameter_gradient_bytes(node, gm, trainable) for g, node in zip(grads, calls)]
+    grads = [g + _parameter_gradient_bytes(node, gm, trainable) + waiting
+             for g, node, waiting in zip(grads, calls, _waiting_parameter_gradient_bytes(gm, position, trainable))]
     overhead = region_overhead(_device(gm)) if seconds is not None else None
     rng_state = torch.get_rng_state().untyped_storage().nbytes() if _device(gm).type == "cpu" else 0
     return StepProfile(steps, nbytes, last_read, grads, overhead, rng_state, loss_outputs)
+
+
+def _runs_as_ops(node: fx.Node, requires_grad) -> bool:
+    """Whether autograd records attention `node` as several ops (Step.runs_as_ops), as its measurement shows (other ops
+    that decompose, einsum's products, leave the policy keeping their output all the same)."""
+    if op_name(node) not in RUNTIME_KERNEL_OPS:
+        return False
+    measured = measurement(node, requires_grad)
+    return measured is not None and measured.autograd_nodes > 1
 
 
 def _statistics_kept(node: fx.Node) -> int:
@@ -542,9 +565,10 @@ def _statistics_kept(node: fx.Node) -> int:
 
 def _backward_scratch(node: fx.Node, grad_needs) -> int | None:
     """What `node`'s backward allocates beyond its gradients: a convolution's scratch, an opaque op's as measured
-    (fxopt.analysis.opaque_memory), else fxopt.analysis.backward_temporaries' rule (None where that is nothing)."""
+    (fxopt.analysis.saved_tensors.measurement: an opaque op, attention, an op the table does not know), else
+    fxopt.analysis.backward_temporaries' rule (None where that is nothing)."""
     scratch = _conv_scratch(node, grad_needs)
-    if scratch is None and (opaque := measured_opaque(node)) is not None:
+    if scratch is None and (opaque := measurement(node, grad_needs.requires_grad)) is not None:
         scratch = opaque.backward_scratch
     return scratch if scratch is not None else backward_temporary(node, grad_needs.requires_grad) or None
 
@@ -569,17 +593,17 @@ def _is_copy(key: Key) -> bool:
     return isinstance(key, tuple) and key[0] == COPY
 
 
-def _saved_keys(node: fx.Node, free: set, nbytes: dict) -> set:
+def _saved_keys(node: fx.Node, free: set, nbytes: dict, requires_grad) -> set:
     """Storages kept for `node`'s backward; bytes saved beyond its inputs/output get a private key, and the
     copies it saves of its inputs (saved_tensors.saved_copies) a key of their own: a selective region does
-    not cache them (their op, a copy, is recomputed)."""
-    info, (copies, copied_bytes) = saved_for_backward(node), saved_copies(node)
+    not cache them (their op, a copy, is recomputed). `requires_grad`: the values that need a gradient."""
+    info, (copies, copied_bytes) = saved_for_backward(node, requires_grad), saved_copies(node)
     tensors = [t for a in info.saved_inputs if a not in copies for t in _tensors(a.meta.get("val"))]
     if info.saves_output:
         tensors += _tensors(node.meta.get("val"))
     keys = {_storage(t) for t in tensors} - free
     keys = {k for k in keys if k in nbytes}
-    private = saved_bytes(node) - copied_bytes - sum(nbytes[k] for k in keys)
+    private = saved_bytes(node, requires_grad) - copied_bytes - sum(nbytes[k] for k in keys)
     for kind, size in ((COPY, copied_bytes), ("private", private)):
         if size > 0:
             nbytes[kind, node.name] = size
@@ -587,9 +611,9 @@ def _saved_keys(node: fx.Node, free: set, nbytes: dict) -> set:
     return keys
 
 
-def _saves_any(node: fx.Node) -> bool:
+def _saves_any(node: fx.Node, requires_grad) -> bool:
     """Whether autograd saves any tensor for `node`'s backward, free ones (parameters, graph inputs) included."""
-    info = saved_for_backward(node)
+    info = saved_for_backward(node, requires_grad)
     return info.saves_output or any(_tensors(a.meta.get("val")) for a in info.saved_inputs)
 
 
@@ -617,6 +641,22 @@ def _parameter_gradient_bytes(node: fx.Node, gm: fx.GraphModule, trainable: froz
     else:
         params = [resolve(a, gm) for a in node.all_input_nodes if a.op == "get_attr" and a.target in trainable]
     return sum(t.numel() * t.element_size() for t in params)
+
+
+def _waiting_parameter_gradient_bytes(gm: fx.GraphModule, position: dict, trainable: frozenset[str]) -> list[int]:
+    """Per position: bytes of the gradients of parameters read at several positions (tied weights: BART's encoder and
+    decoder share their embedding) waiting for the rest of their sum. Autograd adds up a parameter's gradients
+    before it accumulates them into `.grad`: the one the last reader's backward makes lives until the first
+    reader's backward (HF BART, 3+3 layers 256 wide: a 51.5 MB embedding gradient through the encoder's backward)."""
+    waiting = [0] * len(position)
+    for node in gm.graph.find_nodes(op="get_attr"):
+        readers = sorted({position[u] for u in node.users if u in position})
+        if node.target not in trainable or len(readers) < 2:
+            continue
+        value = resolve(node, gm)
+        for q in range(readers[0], readers[-1]):  # the last reader's own backward counts it already
+            waiting[q] += value.numel() * value.element_size()
+    return waiting
 
 
 def _gradient_bytes(calls: list[fx.Node], position: dict, n: int, needs_grad: set) -> list[int]:

@@ -17,9 +17,11 @@ the fake tensors of `node.meta["val"]` (each storage counted once, so views cost
   operands in the kernel library's layout, a second weight-sized buffer: 3 MB beside a 1.1 MB
   result for a 32->64 3x3 backward at 32x32, batch 8, yet none for a 1x1 one or on channels-last
   operands): the most it holds at once, outputs and scratch, measured once per distinct call
-  (fxopt.analysis.conv_scratch.call_peak, the measurement the eager model reads too), is added
+  (fxopt.analysis.call_peaks.call_peak, the measurement the eager model reads too), is added
   to what was alive before it. Its gradient outputs count there too (a weight's gradient is
   copied once more before it is returned), so this errs high by at most one weight gradient;
+  so does an attention kernel's forward or backward (the CPU flash kernel's backward holds copies of
+  its gradient and accumulators beside what it returns), on any device;
 * storages of the joint graph's inputs (parameters, buffers, inputs) live anyway, and the
   backward's outputs (the gradients the step leaves in `.grad`, as with
   `zero_grad(set_to_none=True)`) are not step memory: neither is counted, as in
@@ -37,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from .conv_scratch import call_peak
+from .call_peaks import call_peak
 
 
 @dataclasses.dataclass(frozen=True)

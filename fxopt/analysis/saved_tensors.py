@@ -13,15 +13,17 @@ graph helpers declare what they keep (`fxopt.graph_functions`: `saves`, or a `na
 (`aten.slice`, `aten.alias`, ...) keeps nothing, like the views listed here.
 Entries are what autograd saves when every tensor input requires grad (checked against
 `torch.autograd.graph.saved_tensors_hooks` by tests/test_saved_tensors.py); with some inputs
-frozen autograd may save less, so the table is a safe over-approximation. An op declared opaque (a user's
-autograd Function) keeps what running it once shows (fxopt.analysis.opaque_memory). An op not in the table is
-`known=False` and assumed to save its output and every tensor input.
+frozen autograd may save less, so the table is a safe over-approximation. Where no table can say, what the op keeps
+is what running it once shows (`measurement`, fxopt.analysis.opaque_memory): an op declared opaque (a user's
+autograd Function), an op whose kernel torch picks at run time (`RUNTIME_KERNEL_OPS`: attention), and an ATen op
+the table does not know. An op neither in the table nor measured is `known=False` and assumed to save its output
+and every tensor input (attention: the flash kernel's inputs and output).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 import torch.fx as fx
@@ -30,7 +32,9 @@ from .. import _torch_private
 from ..graph_functions import declared
 from ..op_names import op_name
 from .ops import match_batch_norm
-from .opaque_memory import measured
+from .call_peaks import ATTENTION_FORWARD_OPS
+from .opaque_memory import OpaqueMemory, measured, measured_call
+from .replayed_calls import call_input_nodes
 from .shapes import tensor_meta
 
 # Which tensor inputs a backward keeps: none, the first, all, (products) each operand for the
@@ -132,7 +136,8 @@ _TABLE: dict[str, _Rule] = {
     "batch_norm": _Rule(inputs=ALL, extra=_batch_norm_statistics),
     # layer norm keeps its operands and each row's statistics
     "layer_norm": _Rule(inputs=ALL, extra=_layer_norm_statistics),
-    # attention keeps query, key, value and its output (plus the log-sum-exp of each row)
+    # attention (where not measured: RUNTIME_KERNEL_OPS) keeps query, key, value and its output (plus the
+    # log-sum-exp of each row), as the flash kernel does
     "scaled_dot_product_attention": _Rule(output=True, inputs=ALL),
     # train-mode dropout keeps its noise tensor, not its input
     "dropout": _Rule(extra=_dropout_mask),
@@ -151,6 +156,35 @@ _TABLE: dict[str, _Rule] = {
                      "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
                      "new_ones", "new_full", "new_empty", "scalar_tensor"], _KEEPS_NOTHING),
 }
+
+# Ops whose kernel torch picks at run time, from the device, dtype, dropout, the mask's kind and shape, causality and
+# which inputs need a gradient (SDPA and the ATen ops it dispatches to): what they keep and allocate is measured.
+RUNTIME_KERNEL_OPS = ATTENTION_FORWARD_OPS
+
+
+def _unknown_aten_op(node: fx.Node) -> bool:
+    """An ATen op the table does not know that writes into none of its arguments: safe to run on tensors of ones."""
+    return (node.op == "call_function" and isinstance(node.target, _torch_private.op_overload_types())
+            and not _torch_private.op_is_mutable(node.target) and _rule(node) is None)
+
+
+def measured_by_running(node: fx.Node) -> bool:
+    """Whether what `node` keeps comes from running it once (module docstring), not from the table."""
+    helper = declared(node.target) if node.op == "call_function" else None
+    if helper is not None:
+        return helper.opaque
+    return op_name(node) in RUNTIME_KERNEL_OPS or _unknown_aten_op(node)
+
+
+def measurement(node: fx.Node, requires_grad: Collection[fx.Node] | None = None) -> OpaqueMemory | None:
+    """What running `node` once shows it keeps and its backward allocates (fxopt.analysis.opaque_memory), for the
+    calls no table can describe (`measured_by_running`); None for others or where it could not run.
+    `requires_grad`: the inputs that need a gradient (fxopt.analysis.grad_needs); None: every floating one."""
+    if not measured_by_running(node):
+        return None
+    helper = declared(node.target) if node.op == "call_function" else None
+    return measured(node, requires_grad) if helper is not None else measured_call(node, requires_grad)
+
 
 def _constant_pad(node: fx.Node) -> bool:
     """`F.pad` / `aten.pad` in constant mode (the default): its backward slices, keeping nothing."""
@@ -217,23 +251,43 @@ class SavedForBackward:
     known: bool
 
 
-def saved_for_backward(node: fx.Node) -> SavedForBackward:
-    """What autograd keeps for `node`'s backward (see module docstring); placeholders keep nothing."""
+def saved_for_backward(node: fx.Node, requires_grad: Collection[fx.Node] | None = None) -> SavedForBackward:
+    """What autograd keeps for `node`'s backward (see module docstring); placeholders keep nothing.
+    `requires_grad`: the inputs that need a gradient, where the op is measured (`measurement`)."""
     if node.op in ("placeholder", "get_attr", "output"):
         return SavedForBackward(False, (), True)
     inputs = _tensor_inputs(node)
-    opaque = measured(node)
+    opaque = measurement(node, requires_grad)
     if opaque is not None:
-        flat = [a for a in _torch_private.tree_leaves(node.args) if isinstance(a, fx.Node)]
+        flat = call_input_nodes(node)
         return SavedForBackward(opaque.saves_output, tuple(dict.fromkeys(flat[i] for i in opaque.saved_inputs)), True)
     rule = _rule(node)
     if rule is None:
         return SavedForBackward(True, inputs, False)
     operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node) and a in inputs]
-    kept = {NONE: (), FIRST: inputs[:1], ALL: inputs, OPERANDS: inputs if len(operands) > 1 else (),
+    kept = {NONE: (), FIRST: inputs[:1], ALL: inputs, OPERANDS: _kept_operands(node, operands, requires_grad),
             FACTORS: tuple(dict.fromkeys(a for a in _factors(node) if isinstance(a, fx.Node)))}[rule.inputs]
     output = rule.output(node) if callable(rule.output) else rule.output
-    return SavedForBackward(output, kept, True)
+    return SavedForBackward(output, kept, not measured_by_running(node))
+
+
+def _kept_operands(node: fx.Node, operands: list[fx.Node], requires_grad: Collection[fx.Node] | None) -> tuple:
+    """The operands a product keeps: each for the other's gradient. Unknown gradients (`requires_grad` None): all of
+    them, when there are two. Known: `mul` keeps one operand where the other needs a gradient (rotary embeddings'
+    `q * cos` keeps `cos` alone, not the query), a quotient its divisor where either does and its dividend where the
+    divisor does (ATen's derivatives of mul and div)."""
+    if len(operands) < 2:
+        return ()
+    if requires_grad is None:
+        return tuple(operands)
+    first, second = operands[0], operands[1]
+    if op_name(node) == "mul":
+        kept = [first] if second in requires_grad else []
+        kept += [second] if first in requires_grad else []
+    else:
+        kept = [first] if second in requires_grad else []
+        kept += [second] if first in requires_grad or second in requires_grad else []
+    return tuple(dict.fromkeys(kept))
 
 
 def _factors(node: fx.Node) -> tuple:
@@ -312,17 +366,20 @@ def tensor_bytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if val is not None else 0
 
 
-def saved_bytes(node: fx.Node) -> int:
+def saved_bytes(node: fx.Node, requires_grad: Collection[fx.Node] | None = None) -> int:
     """Bytes of non-parameter tensors kept for `node`'s backward, from `node.meta["val"]`.
 
     Graph inputs, parameters and buffers are not counted (they live anyway), nor are
     intermediate tensors counted twice when the output is also an input (in-place ops).
     """
-    saved = saved_for_backward(node)
+    saved = saved_for_backward(node, requires_grad)
     copies, copied_bytes = saved_copies(node)
     nodes = {n for n in saved.saved_inputs if n.op not in ("placeholder", "get_attr") and n not in copies}
     if saved.saves_output:
         nodes.add(node)
-    rule, opaque = _rule(node), measured(node)
-    extra = rule.extra(node) if rule is not None and rule.extra is not None else opaque.private_bytes if opaque else 0
+    rule, opaque = _rule(node), measurement(node, requires_grad)
+    if opaque is not None:
+        extra = opaque.private_bytes
+    else:
+        extra = rule.extra(node) if rule is not None and rule.extra is not None else 0
     return sum(tensor_bytes(n) for n in nodes) + copied_bytes + extra

@@ -74,6 +74,8 @@ import torch.utils.checkpoint
 
 from ..analysis.aliasing import is_inplace_op
 from ..analysis.memory import Region, StepProfile, estimate, step_profile
+from ..analysis.peak_holders import peak_holders
+from ..analysis.saved_tensors import RUNTIME_KERNEL_OPS, measurement
 from ..analysis.shapes import remember_shape_sources
 from ..analysis.ops import match_batch_norm
 from ..op_names import op_name
@@ -161,6 +163,48 @@ def _why_unreachable(result: PassResult) -> str:
     return f"{blocked} node(s) cannot be recomputed; {held}" if blocked else held
 
 
+def _peak_text(profile: StepProfile, regions, refused: bool) -> str:
+    """Which ops hold the lowest reachable peak, and what the user could change (for the NOT met warning)."""
+    holders = peak_holders(profile, regions)
+    if holders is None:
+        return ""
+    parts, hints = [], []
+    if holders.kept:
+        parts.append("tensors kept by " + ", ".join(f"{name} {_megabytes(n)}" for name, n in holders.kept))
+        made = {s.node.name: s.node for s in profile.steps}
+        math_attention = [name for name, _ in holders.kept if name in made
+                          and op_name(made[name]) in RUNTIME_KERNEL_OPS
+                          and (m := measurement(made[name])) is not None and m.private_bytes]
+        if math_attention:
+            hints.append(f"attention ({', '.join(math_attention)}) keeps its sequence-square weights and dropout mask "
+                         f"(torch's math kernel, chosen for attention dropout or a mask that needs a gradient): "
+                         f"attention dropout 0 lets torch run a kernel that keeps far less")
+    if holders.waiting:
+        parts.append("the gradient of " + ", ".join(f"{name} {_megabytes(n)}" for name, n in holders.waiting)
+                     + ", read at several places (tied), waiting for its sum")
+        hints.append("freezing a tied parameter, or a sparse embedding gradient, removes its waiting gradient")
+    parts.append(f"{_megabytes(holders.above_kept)} of gradients and scratch in all")
+    hints.append("a smaller batch or sequence lowers every activation" +
+                 (", and recomputable nodes in place of the refused ones more of them" if refused else ""))
+    return f"at {holders.at}'s backward the peak holds {'; '.join(parts)}; to lower it: {'; '.join(hints)}"
+
+
+def _unmeasured(profile: StepProfile, result: PassResult) -> None:
+    """Report (sites, figure, warning) the ops whose memory the plan's prediction guessed: neither the saved-tensors
+    table nor a measurement knows what they keep (fxopt.analysis.saved_tensors)."""
+    guessed = [s.node for s in profile.steps if not s.memory_known]
+    if not guessed:
+        return
+    for node in guessed:
+        result.record("unmeasured", node, "memory_not_measured",
+                      "what it keeps and allocates is guessed (its output and every input), not measured or known: "
+                      "the predicted peak may be off")
+    result.figures["unmeasured_ops"] = [n.name for n in guessed]
+    warnings.warn(f"fxopt: the predicted step peak rests on {len(guessed)} op(s) whose memory was guessed, not "
+                  f"measured: {', '.join(n.name for n in guessed[:5])}{' ...' if len(guessed) > 5 else ''}",
+                  stacklevel=4)
+
+
 def _region_name(gm: fx.GraphModule, profile: StepProfile, region: Region) -> str:
     first, last = profile.steps[region.start].node.name, profile.steps[region.stop - 1].node.name
     base = f"checkpointed_{first}_to_{last}" if first != last else f"checkpointed_{first}"
@@ -216,7 +260,11 @@ class CheckpointActivations(Pass):
         limit = amount * reference if kind == "fraction" else amount
         writes, conflicts = KeptWrites(gm, profile), {}
 
-        def keeps_nothing_written_later(region: Region) -> bool:
+        def may_make(region: Region) -> bool:
+            """A region the plan may hold: none whose selective policy would see inside an attention, none that
+            keeps a tensor written in place later (noting the first such conflict per value)."""
+            if profile.policy_sees_inside(region):  # a selective policy would keep products inside an attention
+                return False
             if writes.write_inside(region) is not None:
                 return False
             conflict = writes.conflict(region)
@@ -226,19 +274,21 @@ class CheckpointActivations(Pass):
 
         if profile.timed:  # regions priced by what one of this graph's blocks costs as a region
             span = calibration_span(profile, sorted(region_boundaries(profile)), checkpointable,
-                                    keeps_nothing_written_later)
+                                    may_make)
             calibrated = calibrated_overhead(gm, profile, span) if span is not None else None
             if calibrated is not None:
                 profile.overhead = calibrated
                 result.figures["region_overhead_ms"] = {"whole": round(calibrated.per_region * 1e3, 3),
                                                         "selective": round(calibrated.selective_per_region * 1e3, 3)}
-        regions = plan_regions(profile, limit, checkpointable, allowed=keeps_nothing_written_later)
+        regions = plan_regions(profile, limit, checkpointable, allowed=may_make)
         unreachable = regions is None
         if unreachable:
-            regions = plan_floor(profile, checkpointable, allowed=keeps_nothing_written_later)
+            regions = plan_floor(profile, checkpointable, allowed=may_make)
         if unreachable:
             lowest = estimate(profile, regions).peak
             why = _why_unreachable(result)
+            holders = _peak_text(profile, regions, refused=any(k.startswith("refused_") for k in result.stats))
+            why = f"{why}; {holders}" if holders else why
             result.record("refused", "<graph>", "budget_unreachable",
                           f"no plan fits {limit / 1e6:.2f} MB; lowest reachable {lowest / reference:.2f}x "
                           f"({lowest / 1e6:.2f} MB): {why}")
@@ -255,6 +305,7 @@ class CheckpointActivations(Pass):
                           f"{writer.name} writes it in place later; no region keeps it (refused: "
                           f"{'selective ' if region.save_counted else ''}region {first}..{last})")
         after = estimate(profile, regions)
+        _unmeasured(profile, result)
         names, shapes_kept = [], True
         for region in regions:
             steps = profile.steps[region.start:region.stop]
