@@ -171,8 +171,9 @@ def _why_unreachable(result: PassResult, floor: Estimate) -> str:
 
 def _what_next(kind: str, lowest: int, reference: int) -> str:
     """What the caller can change: a budget the floor meets, or a smaller step."""
-    met = (f"memory_budget={math.ceil(100 * lowest / reference) / 100:g}" if kind == "fraction"
-           else f"memory_budget='{math.ceil(lowest / 1e5) / 10:g}MB'")
+    size = f"{math.ceil(lowest / 1e3)}KB" if lowest < 1e7 else f"{math.ceil(lowest / 1e6)}MB"
+    met = f"memory_budget={math.ceil(100 * lowest / reference) / 100:g}" if kind == "fraction" else \
+        f"memory_budget='{size}'"
     return f"give {met} or more, or a smaller batch"
 
 
