@@ -133,7 +133,8 @@ def test_python_api_same_budget_rule():
     assert report["checkpoint_activations"].stats.get("checkpointed", 0) == 0
     with pytest.raises(fxopt.FxoptError, match="give bytes with a unit"):
         fxopt.optimize(model, x, mode="training", memory_budget=300_000_000)
-    report = fxopt.optimize(model, x, mode="training", memory_budget="1KB").fxopt_report
+    with pytest.warns(UserWarning, match=r"memory_budget '1KB' .* NOT met.*give memory_budget='\d+KB' or more"):
+        report = fxopt.optimize(model, x, mode="training", memory_budget="1KB").fxopt_report
     assert report["checkpoint_activations"].figures["budget_bytes"] == 1000
 
 
@@ -158,6 +159,33 @@ def test_one_dtype_per_input_and_int_range(in_repo, capsys):
     err = _error(capsys, ["inspect", f"{RUDE}:IdsAndMask", "--input-shape", "2x5", "--input-shape", "2x5",
                           "--dtype", "int64", "--dtype", "float32", "--dtype", "int64"])
     assert "--dtype given 3 times for 2 --input-shape" in err
+
+
+def test_int_high_above_the_vocabulary_says_how_high(in_repo, capsys):
+    """Token ids beyond an embedding's rows name its size and the --int-high to give, not --dtype int64 again."""
+    err = _error(capsys, ["inspect", f"{RUDE}:TokenModel", "--input-shape", "2x5", "--dtype", "int64",
+                          "--int-high", "1000"])
+    assert "IndexError" in err and "give --int-high 50 or less" in err and "--dtype" not in err
+
+
+def test_mixed_dtypes_are_named_per_input(in_repo, capsys):
+    """With inputs of several dtypes, inspect's header names each input's dtype."""
+    assert main(["inspect", f"{RUDE}:IdsAndMask", "--input-shape", "2x5", "--input-shape", "2x5",
+                 "--dtype", "int64", "--dtype", "float32", "--int-high", "1000"]) == 0
+    assert "inputs 2x5 (int64), 2x5 (float32)," in capsys.readouterr().out
+
+
+def test_model_file_that_is_not_python(in_repo, capsys, tmp_path):
+    """A MODEL file without the .py suffix says it is not a Python file and how MODEL is written."""
+    (tmp_path / "notpy.txt").write_text("x = 1\n")
+    err = _error(capsys, ["inspect", f"{tmp_path / 'notpy.txt'}:Net", "--input-shape", "2x3"])
+    assert "not a Python file; MODEL is 'path/to/file.py:attr'" in err
+
+
+def test_model_with_two_colons(in_repo, capsys):
+    """MODEL with a second ':' says so and writes the dotted form it probably means."""
+    err = _error(capsys, ["inspect", f"{TINY}:TinyConvNet:conv", "--input-shape", "2x3x8x8"])
+    assert f"has more than one ':'" in err and f"'{TINY}:TinyConvNet.conv'" in err
 
 
 def test_generated_token_ids_stay_below_int_high():

@@ -128,7 +128,7 @@ def _prepare(args, progress):
         model = model.to(floating[0])
     model.train(args.mode == "training")
     progress.status("checking the model runs on the inputs")
-    check_model_accepts(model, inputs)
+    check_model_accepts(model, inputs, args.int_high)
     return model, inputs, _parse_passes(args.passes), options
 
 
