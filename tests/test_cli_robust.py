@@ -245,6 +245,25 @@ def test_bench_shows_spread(in_repo, capsys):
     assert " B)" in out  # exact bytes beside the rounded figure
 
 
+def test_bench_threads(in_repo, capsys, monkeypatch):
+    """bench times with one torch thread unless --threads says otherwise, says which in its header, and restores
+    the caller's thread count."""
+    import torch
+
+    from fxopt.frontends import cli_bench
+
+    seen, run_bench = [], cli_bench.run_bench
+    monkeypatch.setattr(cli_bench, "run_bench", lambda *a: seen.append(torch.get_num_threads()) or run_bench(*a))
+    before = torch.get_num_threads()
+    args = ["bench", f"{TINY}:TinyConvNet", "--input-shape", "2x3x8x8", "--repeats", "1", "--warmup", "0"]
+    assert main(args) == 0
+    assert "1 torch thread(s) (the default on CPU; --threads N for more)" in capsys.readouterr().out
+    assert main([*args, "--threads", "2"]) == 0
+    assert "2 torch thread(s) (--threads)" in capsys.readouterr().out
+    assert seen == [1, 2] and torch.get_num_threads() == before
+    assert "--threads must be at least 1" in _error(capsys, [*args, "--threads", "0"])
+
+
 def test_progress_on_a_terminal_is_one_line_cleared_at_the_end():
     """On a terminal, progress is one status line with the time elapsed, rewritten and cleared at the end."""
     import io

@@ -179,18 +179,23 @@ def _inspect_command(args, out) -> None:
 
 def _bench_command(args, out) -> None:
     from ..errors import FxoptError
-    from .cli_bench import bench_table, run_bench
+    from .cli_bench import bench_table, run_bench, torch_threads
+    from .cli_loading import describe_inputs
     from .cli_progress import Progress
 
     if args.repeats < 1 or args.warmup < 0:
         raise FxoptError("--repeats must be at least 1 and --warmup at least 0")
+    if args.threads is not None and args.threads < 1:
+        raise FxoptError(f"--threads must be at least 1, got {args.threads}")
+    threads = args.threads or 1
     progress = Progress("fxopt bench", lines=True)
     model, inputs, passes, options = _prepare(args, progress)
-    variants = run_bench(model, inputs, args.mode, passes, options, args.compile, args.repeats, args.warmup,
-                         progress)
-    shapes = ", ".join(args.input_shape)
-    print(f"fxopt bench {args.model}: {args.mode}, inputs {shapes} ({', '.join(_dtypes(args))}), "
-          f"{args.repeats} timed rounds after {args.warmup} warm-up, variants interleaved", file=out)
+    with torch_threads(threads):
+        variants = run_bench(model, inputs, args.mode, passes, options, args.compile, args.repeats, args.warmup,
+                             progress)
+    chosen = "--threads" if args.threads else "the default on CPU; --threads N for more"
+    print(f"fxopt bench {args.model}: {args.mode}, inputs {describe_inputs(inputs)}, {args.repeats} timed rounds "
+          f"after {args.warmup} warm-up, variants interleaved, {threads} torch thread(s) ({chosen})", file=out)
     print(bench_table(variants, args.mode == "training"), file=out)
 
 
