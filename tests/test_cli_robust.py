@@ -144,6 +144,15 @@ def test_budget_without_training_says_add_mode(in_repo, capsys):
     assert "add --mode training" in err
 
 
+def test_unmet_budget_is_one_warning_line(in_repo, capsys):
+    """An unmet --memory-budget is one `fxopt: warning:` line on stderr saying the budget that is met."""
+    assert main(["inspect", f"{RUDE}:DeepMLP", "--input-shape", "4x32", "--mode", "training",
+                 "--memory-budget", "0.01"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fxopt: warning: memory_budget 0.01"), err
+    assert "or more, or a smaller batch" in err[0]
+
+
 def test_token_model_suggests_int64(in_repo, capsys):
     """A model that wants integer token ids, given floats, gets the hint --dtype int64."""
     err = _error(capsys, ["inspect", f"{RUDE}:TokenModel", "--input-shape", "2x5"])

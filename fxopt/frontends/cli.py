@@ -8,6 +8,7 @@ Arguments are parsed before torch is imported (fxopt.frontends.cli_args), so `--
 mistyped command answer at once. Any bad input ends with one line on stderr, `fxopt: error: ...`,
 and exit status 1 (2 for a malformed command line); `--debug` shows the traceback instead.
 The user's code runs with a clean `sys.argv`, and with `--json` anything it prints goes to stderr.
+fxopt's warnings are one line each on stderr, `fxopt: warning: ...`.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import contextlib
 import json
 import sys
 import time
+import warnings
 
 from .cli_args import EXIT_USAGE, build_parser  # noqa: F401 - EXIT_USAGE is part of this module's interface
 
@@ -219,11 +221,27 @@ def _user_code_context(args):
         sys.argv = saved
 
 
+@contextlib.contextmanager
+def _fxopt_warnings_as_lines():
+    """fxopt's warnings during a command as one line each, `fxopt: warning: ...`: no file and line, as the
+    user's code here is MODEL, not a line calling fxopt. Other warnings are shown as Python shows them."""
+    with warnings.catch_warnings():
+        shown_elsewhere = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not str(message).startswith("fxopt: "):
+                return shown_elsewhere(message, category, filename, lineno, file, line)
+            print(f"fxopt: warning: {_one_line(str(message).removeprefix('fxopt: '))}", file=sys.stderr)
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = sys.stdout
     try:
-        with _user_code_context(args):
+        with _user_code_context(args), _fxopt_warnings_as_lines():
             COMMANDS[args.command](args, out)
     except KeyboardInterrupt:
         print("fxopt: interrupted", file=sys.stderr)
