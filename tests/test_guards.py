@@ -182,18 +182,23 @@ def test_hook_added_after_optimize_runs():
     assert len(seen) == 2
 
 
-def test_hook_removed_goes_back_to_the_optimized_graph():
+def test_hook_removed_goes_back_to_the_optimized_graph(monkeypatch):
     """Once a temporary hook is removed, calls run the optimized graph again (not the original for good)."""
     model = conv_bn_net().eval()
     result = optimize_quietly(model, X)
+    optimized, ran = result.graph_module, []
+    forward = optimized.forward
+    monkeypatch.setattr(optimized, "forward", lambda *a, **k: ran.append(True) or forward(*a, **k))
     handle = result.bn.register_forward_hook(lambda m, a, out: out)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with pytest.warns(UserWarning, match="hooks added to or removed from bn.*so fxopt ran the original model"):
         result(X)
+    assert not ran  # the hook had to run: the original model did
     handle.remove()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no guard failure any more: no warning
-        result(X)
+        out = result(X)
+    assert ran == [True] and result.graph_module is optimized
+    torch.testing.assert_close(out, model(X))
 
 
 def test_prune_applied_after_optimize():
