@@ -551,14 +551,16 @@ def op_from_reference(target):
 
 
 def quiet_export_logs():
-    """Context in which torch.export's diagnostics stay unprinted: its log warnings, and the partial graph
-    `torch.export._trace` prints to stderr when it gives up.
+    """Context in which torch.export's diagnostics stay unprinted: its log warnings, the partial graph
+    `torch.export._trace` prints to stderr when it gives up, and its warning that a tensor attribute was
+    assigned during export (fxopt.capture.attribute_writes records the write and runs that module as written).
 
     fxopt reports export's reason itself, in the report of the module that stays opaque.
     """
     import contextlib
     import io
     import logging
+    import warnings
 
     @contextlib.contextmanager
     def quiet():
@@ -568,7 +570,9 @@ def quiet_export_logs():
         for logger in loggers:
             logger.setLevel(logging.ERROR)
         try:
-            with contextlib.redirect_stderr(io.StringIO()):
+            with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The tensor attribute .* was assigned during export",
+                                        category=UserWarning)
                 yield
         finally:
             for logger, level in zip(loggers, levels):
