@@ -83,7 +83,7 @@ def test_an_autocast_branch_is_honoured_under_autocast():
     torch.manual_seed(0)
     model, x = BranchesOnAutocast(), torch.randn(2, 4)
     result = optimize_quietly(model, x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match="is_autocast_enabled"):
         got, expected = result(x), model(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
