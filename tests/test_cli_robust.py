@@ -184,11 +184,14 @@ def test_mixed_dtypes_are_named_per_input(in_repo, capsys):
     assert "inputs 2x5 (int64), 2x5 (float32)," in capsys.readouterr().out
 
 
-def test_model_file_that_is_not_python(in_repo, capsys, tmp_path):
-    """A MODEL file without the .py suffix says it is not a Python file and how MODEL is written."""
+def test_model_file_that_is_not_python(in_repo, capsys, tmp_path, monkeypatch):
+    """A MODEL file without the .py suffix, by path or by bare name, says it is not a Python file and how MODEL is
+    written."""
     (tmp_path / "notpy.txt").write_text("x = 1\n")
     err = _error(capsys, ["inspect", f"{tmp_path / 'notpy.txt'}:Net", "--input-shape", "2x3"])
     assert "not a Python file; MODEL is 'path/to/file.py:attr'" in err
+    monkeypatch.chdir(tmp_path)
+    assert "'notpy.txt': not a Python file" in _error(capsys, ["inspect", "notpy.txt:Net", "--input-shape", "2x3"])
 
 
 def test_model_with_two_colons(in_repo, capsys):

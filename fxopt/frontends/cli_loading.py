@@ -97,7 +97,7 @@ def _import_file(path: pathlib.Path):
 def _import_target(target: str):
     """Import `path/to/file.py` or `package.module`; any failure in the user's code becomes an FxoptError."""
     try:
-        if target.endswith(".py") or "/" in target or os.sep in target:
+        if target.endswith(".py") or "/" in target or os.sep in target or os.path.isfile(target):
             return _import_file(pathlib.Path(target))
         if os.getcwd() not in sys.path:  # `fxopt inspect pkg.mod:attr` finds pkg the way `python -m` would
             sys.path.insert(0, os.getcwd())
