@@ -318,7 +318,7 @@ def test_byte_budget_is_accepted_and_met():
 
 
 def test_unreachable_budget_warns_and_says_so_in_the_report():
-    """A budget below every plan's step peak warns at the caller's line, names the floor, and the headline says NOT met."""
+    """A budget below every plan's step peak warns at the caller's line, names the floor; the headline says NOT met."""
     torch.manual_seed(0)
     model, x = DeepMLP(depth=2), torch.randn(16, 32)
     with pytest.warns(UserWarning, match="NOT met under torch.compile: lowest reachable") as caught:

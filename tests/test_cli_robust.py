@@ -197,7 +197,7 @@ def test_model_file_that_is_not_python(in_repo, capsys, tmp_path, monkeypatch):
 def test_model_with_two_colons(in_repo, capsys):
     """MODEL with a second ':' says so and writes the dotted form it probably means."""
     err = _error(capsys, ["inspect", f"{TINY}:TinyConvNet:conv", "--input-shape", "2x3x8x8"])
-    assert f"has more than one ':'" in err and f"'{TINY}:TinyConvNet.conv'" in err
+    assert "has more than one ':'" in err and f"'{TINY}:TinyConvNet.conv'" in err
 
 
 def test_generated_token_ids_stay_below_int_high():
