@@ -3,6 +3,7 @@
     import fxopt
     fast = fxopt.optimize(model, (example_input,))
     print(fast.fxopt_report)
+    fxopt.save(fast, "fast.pt"); fast = fxopt.load("fast.pt")   # torch.load needs weights_only=False
 
     compiled = torch.compile(model, backend="fxopt")   # importing fxopt registers the backend
 
@@ -16,10 +17,11 @@ import sys
 
 from .errors import FxoptError
 __version__ = "0.1.0"
-__all__ = ["FxoptError", "OptimizedModule", "available_passes", "backend", "optimize"]
+__all__ = ["FxoptError", "OptimizedModule", "available_passes", "backend", "load", "optimize", "save"]
 
 _LAZY = {"optimize": ".frontends.api", "available_passes": ".frontends.api", "backend": ".frontends.backend",
-         "fxopt_backend": ".frontends.backend", "OptimizedModule": ".frontends.result"}
+         "fxopt_backend": ".frontends.backend", "OptimizedModule": ".frontends.result", "save": ".frontends.saving",
+         "load": ".frontends.saving"}
 
 
 def _register_backend() -> None:

@@ -6,6 +6,7 @@ import torch
 
 sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "corpus")]
 from device_under_test import DEVICE  # noqa: E402
+from expected_warnings import budget_may_be_unmet  # noqa: E402
 
 # The tests run tiny tensors: one intra-op thread is faster than two and gives the same numbers
 # on every machine.
@@ -16,3 +17,10 @@ torch.set_num_threads(1)
 def device() -> torch.device:
     """Where device-independent tests run: FXOPT_TEST_DEVICE (cpu by default; cuda on a GPU machine)."""
     return DEVICE
+
+
+@pytest.fixture(name="budget_may_be_unmet")
+def budget_may_be_unmet_fixture():
+    """fxopt's warning that a memory_budget is not met is expected in this test (tests/expected_warnings.py)."""
+    with budget_may_be_unmet():
+        yield

@@ -74,6 +74,19 @@ def test_option_no_selected_pass_takes():
         fxopt.optimize(small_net().train(), X, memory_budjet=0.5)
 
 
+def test_budget_on_an_eval_model_suggests_training_mode():
+    """memory_budget on an eval model (inference by default) names the pass that takes it and says mode="training"."""
+    with pytest.raises(fxopt.FxoptError, match="it is checkpoint_activations's, which runs in training mode: "
+                                               "pass mode='training'"):
+        fxopt.optimize(small_net().eval(), X, memory_budget=0.5)
+
+
+def test_option_of_a_pass_left_out_says_to_add_it():
+    """An option of a pass the caller's `passes` leave out says to add that pass."""
+    with pytest.raises(fxopt.FxoptError, match="add checkpoint_activations to passes"):
+        fxopt.optimize(small_net().train(), X, passes=["fold_conv_bn"], memory_budget=0.5)
+
+
 def test_bad_mode():
     """An unknown mode lists the valid ones."""
     with pytest.raises(fxopt.FxoptError, match="unknown mode 'eval'.*auto, inference, training"):
@@ -150,6 +163,7 @@ def test_inference_result_is_independent_of_the_callers_model():
     assert not any(m.training for m in model.modules())
 
 
+@pytest.mark.usefixtures("budget_may_be_unmet")
 def test_optimizing_a_checkpointed_training_result_again_steps_like_eager():
     """A training result holding checkpointed regions, optimized again, still checkpoints and matches eager over 2 steps."""
     torch.manual_seed(0)

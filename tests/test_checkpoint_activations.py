@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from fxopt.passes.base import PassContext
 from fxopt.passes.checkpoint_activations import CheckpointActivations
 
 from fxopt.measure import measure_allocator_peak as allocator_peak
+
+pytestmark = pytest.mark.usefixtures("budget_may_be_unmet")  # budgets tiny models may not reach
 
 
 def deep_mlp(depth: int, width: int, p: float = 0.1) -> torch.nn.Sequential:
@@ -427,6 +430,23 @@ def test_unreachable_budget_is_loud():
     assert not figures["budget_met"] and "lowest reachable" in figures["headline"]
     freed = [re.search(r"frees (\S+) MB", s.detail) for s in report["checkpoint_activations"].sites]
     assert all(float(m.group(1)) > 0 for m in freed if m) and any(freed)
+
+
+def test_unreachable_budget_names_the_peak_and_what_to_change():
+    """An unmet budget's warning names where the peak is held and the budget that is met, at the caller's line."""
+    torch.manual_seed(0)
+    model, x = deep_mlp(depth=4, width=64), torch.randn(32, 64)
+    with pytest.warns(UserWarning, match="NOT met") as caught:
+        opt = fxopt.optimize(model, x, mode="training", memory_budget=0.01)
+    message = str(caught[0].message)
+    assert re.search(r"its peak is in (backward|forward), held by .*: give memory_budget=0\.\d+ or more, or a smaller "
+                     r"batch$", message), message
+    assert caught[0].filename == __file__, caught[0].filename
+    floor = float(re.search(r"give memory_budget=(\S+) or more", message).group(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the budget it suggests is met: no warning
+        fxopt.optimize(model, x, mode="training", memory_budget=floor)
+    assert opt.fxopt_report["checkpoint_activations"].figures["headline"] in message
 
 
 def test_unreachable_budget_is_a_budget_unreachable_refusal_and_keeps_the_step():

@@ -1,20 +1,23 @@
-"""The `fxopt` command line, run as a subprocess the way a user runs it.
+"""The `fxopt` command line, through `main(argv)` in this process (the code path of the console script,
+without paying a torch import per invocation), and two subprocesses for the entry points themselves:
+`python -m fxopt` and the `fxopt` script.
 
-Every invocation the tests need is started at once (a few at a time, in parallel) when the
-module's first test asks for results: each `python -m fxopt` pays the torch import, so running
-them one after another would dominate the suite's time.
+Each invocation runs once, when a test first asks for it, and its result is shared by the tests that read it.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import pathlib
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from fxopt.errors import FxoptError
 from fxopt.frontends.cli import main
 from fxopt.frontends.cli_inspect import JSON_KEYS
 from fxopt.pipeline.pipelines import DEFAULT_PIPELINES
@@ -37,10 +40,9 @@ HAPPY = {
     "bench_inference": ["bench", f"{TINY}:TinyConvNet", *IMAGE, "--repeats", "3", "--warmup", "1"],
     "bench_training": ["bench", f"{TINY}:TinyConvNet", *IMAGE, "--mode", "training", "--repeats", "3",
                        "--warmup", "1"],
-    "debug": ["inspect", f"{TINY}:Missing", *IMAGE, "--debug"],
 }
 
-# Each bad input the issue names, run as a subprocess: name -> (arguments, exit status, what the message says).
+# Each bad input the issue names: name -> (arguments, exit status, what the message says).
 BAD_INPUT = {
     "module_does_not_import": (["inspect", "fxopt_no_such_pkg.models:Net", *IMAGE], 1,
                                "cannot import 'fxopt_no_such_pkg.models': ModuleNotFoundError"),
@@ -63,8 +65,7 @@ BAD_INPUT = {
                              "the model rejects inputs 2x3x16x16"),
 }
 
-# More ways to give MODEL wrong, through `main()` in this process (the same code path, without
-# paying a torch import each): name -> (arguments, what the message says).
+# More ways to give MODEL wrong: name -> (arguments, what the message says).
 MORE_BAD_MODELS = {
     "file_import_fails": (["inspect", "tests/fixtures/broken_import.py:Net", *IMAGE],
                           "No module named 'fxopt_no_such_package'"),
@@ -80,24 +81,44 @@ MORE_BAD_MODELS = {
 }
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fxopt", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+@dataclasses.dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _main(args: list[str]) -> Run:
+    """`fxopt ARGS` in this process, from the repository root, as the console script runs it."""
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.chdir(REPO)
+        patch.setattr(sys, "path", list(sys.path))  # loading a model file puts its folder on sys.path
+        try:
+            code = main(args)
+        except SystemExit as e:  # argparse: a malformed command line
+            code = e.code
+    return Run(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """name -> Run of that invocation (HAPPY, BAD_INPUT), each run once, when first asked for."""
     dump_dir = tmp_path_factory.mktemp("stages") / "out"
     invocations = {name: [a.replace(DUMP_DIR, str(dump_dir)) for a in args] for name, args in HAPPY.items()}
     invocations.update({name: args for name, (args, _, _) in BAD_INPUT.items()})
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(_run, args) for name, args in invocations.items()}
-        results = {name: f.result() for name, f in futures.items()}
+
+    class Runs(dict):
+        def __missing__(self, name):
+            self[name] = _main(invocations[name])
+            return self[name]
+
+    results = Runs()
     results["dump_dir"] = dump_dir
     return results
 
 
-def _ok(result: subprocess.CompletedProcess) -> str:
+def _ok(result: Run) -> str:
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -223,22 +244,27 @@ def test_bad_input_is_one_line(runs, case):
     assert message in result.stderr
 
 
-def test_debug_shows_traceback(runs):
-    """--debug shows the traceback for developers."""
-    result = runs["debug"]
-    assert result.returncode != 0
-    assert "Traceback" in result.stderr and "FxoptError" in result.stderr
+def test_debug_raises_instead_of_one_line():
+    """--debug lets the error through (its traceback shown) instead of the one line."""
+    with pytest.raises(FxoptError, match="has no attribute 'Missing'"):
+        _main(["inspect", f"{TINY}:Missing", *IMAGE, "--debug"])
 
 
 @pytest.mark.parametrize("case", list(MORE_BAD_MODELS))
-def test_more_bad_models_in_process(case, capsys, monkeypatch):
-    """Each of these exits 1 with one line saying what is wrong with MODEL (checked through `main`)."""
+def test_more_bad_models(case):
+    """Each of these exits 1 with one line saying what is wrong with MODEL."""
     args, message = MORE_BAD_MODELS[case]
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # loading a model file puts its folder on sys.path
-    assert main(args) == 1
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and message in err, err
+    result = _main(args)
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+def test_python_m_fxopt_exits_with_one_line():
+    """`python -m fxopt` is the command line: a bad MODEL exits 1 with one line on stderr, no traceback."""
+    result = subprocess.run([sys.executable, "-m", "fxopt", "inspect", f"{TINY}:Missing", *IMAGE], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "fxopt: error:" in result.stderr and "has no attribute 'Missing'" in result.stderr
 
 
 @pytest.mark.skipif(shutil.which("fxopt") is None, reason="the fxopt console script is not installed")
@@ -248,7 +274,7 @@ def test_console_script():
     assert result.returncode == 0 and "fold_conv_bn" in result.stdout
 
 
-def test_channels_last_always_keeps_the_rewrite(capsys):
+def test_channels_last_always_keeps_the_rewrite():
     """`--channels-last always` keeps channels_last's rewrite without timing it."""
-    assert main(["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--channels-last", "always", "--pass", "channels_last"]) == 0
-    assert "converted" in capsys.readouterr().out
+    assert "converted" in _ok(_main(["inspect", f"{TINY}:TinyConvNet", *IMAGE, "--channels-last", "always",
+                                     "--pass", "channels_last"]))

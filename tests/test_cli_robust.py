@@ -133,7 +133,8 @@ def test_python_api_same_budget_rule():
     assert report["checkpoint_activations"].stats.get("checkpointed", 0) == 0
     with pytest.raises(fxopt.FxoptError, match="give bytes with a unit"):
         fxopt.optimize(model, x, mode="training", memory_budget=300_000_000)
-    report = fxopt.optimize(model, x, mode="training", memory_budget="1KB").fxopt_report
+    with pytest.warns(UserWarning, match=r"memory_budget '1KB' .* NOT met.*give memory_budget='\d+KB' or more"):
+        report = fxopt.optimize(model, x, mode="training", memory_budget="1KB").fxopt_report
     assert report["checkpoint_activations"].figures["budget_bytes"] == 1000
 
 
@@ -141,6 +142,15 @@ def test_budget_without_training_says_add_mode(in_repo, capsys):
     """--memory-budget in inference mode tells the user to add --mode training."""
     err = _error(capsys, ["inspect", f"{RUDE}:DeepMLP", "--input-shape", "4x32", "--memory-budget", "0.5"])
     assert "add --mode training" in err
+
+
+def test_unmet_budget_is_one_warning_line(in_repo, capsys):
+    """An unmet --memory-budget is one `fxopt: warning:` line on stderr saying the budget that is met."""
+    assert main(["inspect", f"{RUDE}:DeepMLP", "--input-shape", "4x32", "--mode", "training",
+                 "--memory-budget", "0.01"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fxopt: warning: memory_budget 0.01"), err
+    assert "or more, or a smaller batch" in err[0]
 
 
 def test_token_model_suggests_int64(in_repo, capsys):
@@ -158,6 +168,36 @@ def test_one_dtype_per_input_and_int_range(in_repo, capsys):
     err = _error(capsys, ["inspect", f"{RUDE}:IdsAndMask", "--input-shape", "2x5", "--input-shape", "2x5",
                           "--dtype", "int64", "--dtype", "float32", "--dtype", "int64"])
     assert "--dtype given 3 times for 2 --input-shape" in err
+
+
+def test_int_high_above_the_vocabulary_says_how_high(in_repo, capsys):
+    """Token ids beyond an embedding's rows name its size and the --int-high to give, not --dtype int64 again."""
+    err = _error(capsys, ["inspect", f"{RUDE}:TokenModel", "--input-shape", "2x5", "--dtype", "int64",
+                          "--int-high", "1000"])
+    assert "IndexError" in err and "give --int-high 50 or less" in err and "--dtype" not in err
+
+
+def test_mixed_dtypes_are_named_per_input(in_repo, capsys):
+    """With inputs of several dtypes, inspect's header names each input's dtype."""
+    assert main(["inspect", f"{RUDE}:IdsAndMask", "--input-shape", "2x5", "--input-shape", "2x5",
+                 "--dtype", "int64", "--dtype", "float32", "--int-high", "1000"]) == 0
+    assert "inputs 2x5 (int64), 2x5 (float32)," in capsys.readouterr().out
+
+
+def test_model_file_that_is_not_python(in_repo, capsys, tmp_path, monkeypatch):
+    """A MODEL file without the .py suffix, by path or by bare name, says it is not a Python file and how MODEL is
+    written."""
+    (tmp_path / "notpy.txt").write_text("x = 1\n")
+    err = _error(capsys, ["inspect", f"{tmp_path / 'notpy.txt'}:Net", "--input-shape", "2x3"])
+    assert "not a Python file; MODEL is 'path/to/file.py:attr'" in err
+    monkeypatch.chdir(tmp_path)
+    assert "'notpy.txt': not a Python file" in _error(capsys, ["inspect", "notpy.txt:Net", "--input-shape", "2x3"])
+
+
+def test_model_with_two_colons(in_repo, capsys):
+    """MODEL with a second ':' says so and writes the dotted form it probably means."""
+    err = _error(capsys, ["inspect", f"{TINY}:TinyConvNet:conv", "--input-shape", "2x3x8x8"])
+    assert "has more than one ':'" in err and f"'{TINY}:TinyConvNet.conv'" in err
 
 
 def test_generated_token_ids_stay_below_int_high():
@@ -215,6 +255,25 @@ def test_bench_shows_spread(in_repo, capsys):
     out = capsys.readouterr().out
     assert "min" in out and "q1–q3" in out and "max" in out and "4 timed rounds" in out
     assert " B)" in out  # exact bytes beside the rounded figure
+
+
+def test_bench_threads(in_repo, capsys, monkeypatch):
+    """bench times with one torch thread unless --threads says otherwise, says which in its header, and restores
+    the caller's thread count."""
+    import torch
+
+    from fxopt.frontends import cli_bench
+
+    seen, run_bench = [], cli_bench.run_bench
+    monkeypatch.setattr(cli_bench, "run_bench", lambda *a: seen.append(torch.get_num_threads()) or run_bench(*a))
+    before = torch.get_num_threads()
+    args = ["bench", f"{TINY}:TinyConvNet", "--input-shape", "2x3x8x8", "--repeats", "1", "--warmup", "0"]
+    assert main(args) == 0
+    assert "1 torch thread(s) (the default on CPU; --threads N for more)" in capsys.readouterr().out
+    assert main([*args, "--threads", "2"]) == 0
+    assert "2 torch thread(s) (--threads)" in capsys.readouterr().out
+    assert seen == [1, 2] and torch.get_num_threads() == before
+    assert "--threads must be at least 1" in _error(capsys, [*args, "--threads", "0"])
 
 
 def test_progress_on_a_terminal_is_one_line_cleared_at_the_end():

@@ -66,7 +66,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-import warnings
 
 import torch
 import torch.fx as fx
@@ -84,6 +83,7 @@ from ..model_copy import graph_module_copy
 from ..passes._checkpoint_plan import plan_regions, region_boundaries
 from ..passes.checkpoint_activations import parse_budget, refusal
 from ..pipeline.report import PassReport, Report
+from ..user_code import warn_at_users_line
 
 LADDER = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # planner limits, fractions of the estimated step peak
 STRIDE_GROWTH = 1.5  # strided plans: regions between every s-th boundary, s = 1, 2, 3, 5, 8, 11, 17, ...
@@ -227,9 +227,9 @@ class BudgetPartitioner:
                                plan.name if plan else "min-cut alone",
                                len({region for _, region in plan.tags.values()}) if plan else 0, len(tried) - 1)
         if not met:
-            warnings.warn(f"fxopt: memory_budget {self.budget!r} ({limit / 1e6:.2f} MB step peak) NOT met under "
+            warn_at_users_line(f"fxopt: memory_budget {self.budget!r} ({limit / 1e6:.2f} MB step peak) NOT met under "
                           f"torch.compile: lowest reachable {after.step / max(before.step, 1):.2f}x "
-                          f"({after.step / 1e6:.2f} MB) of the step peak without recomputation", stacklevel=2)
+                          f"({after.step / 1e6:.2f} MB) of the step peak without recomputation")
         return chosen[3]
 
     @staticmethod

@@ -8,6 +8,7 @@ Arguments are parsed before torch is imported (fxopt.frontends.cli_args), so `--
 mistyped command answer at once. Any bad input ends with one line on stderr, `fxopt: error: ...`,
 and exit status 1 (2 for a malformed command line); `--debug` shows the traceback instead.
 The user's code runs with a clean `sys.argv`, and with `--json` anything it prints goes to stderr.
+fxopt's warnings are one line each on stderr, `fxopt: warning: ...`.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import contextlib
 import json
 import sys
 import time
+import warnings
 
 from .cli_args import EXIT_USAGE, build_parser  # noqa: F401 - EXIT_USAGE is part of this module's interface
 
@@ -128,7 +130,7 @@ def _prepare(args, progress):
         model = model.to(floating[0])
     model.train(args.mode == "training")
     progress.status("checking the model runs on the inputs")
-    check_model_accepts(model, inputs)
+    check_model_accepts(model, inputs, args.int_high)
     return model, inputs, _parse_passes(args.passes), options
 
 
@@ -179,18 +181,23 @@ def _inspect_command(args, out) -> None:
 
 def _bench_command(args, out) -> None:
     from ..errors import FxoptError
-    from .cli_bench import bench_table, run_bench
+    from .cli_bench import bench_table, run_bench, torch_threads
+    from .cli_loading import describe_inputs
     from .cli_progress import Progress
 
     if args.repeats < 1 or args.warmup < 0:
         raise FxoptError("--repeats must be at least 1 and --warmup at least 0")
+    if args.threads is not None and args.threads < 1:
+        raise FxoptError(f"--threads must be at least 1, got {args.threads}")
+    threads = args.threads or 1
     progress = Progress("fxopt bench", lines=True)
     model, inputs, passes, options = _prepare(args, progress)
-    variants = run_bench(model, inputs, args.mode, passes, options, args.compile, args.repeats, args.warmup,
-                         progress)
-    shapes = ", ".join(args.input_shape)
-    print(f"fxopt bench {args.model}: {args.mode}, inputs {shapes} ({', '.join(_dtypes(args))}), "
-          f"{args.repeats} timed rounds after {args.warmup} warm-up, variants interleaved", file=out)
+    with torch_threads(threads):
+        variants = run_bench(model, inputs, args.mode, passes, options, args.compile, args.repeats, args.warmup,
+                             progress)
+    chosen = "--threads" if args.threads else "the default on CPU; --threads N for more"
+    print(f"fxopt bench {args.model}: {args.mode}, inputs {describe_inputs(inputs)}, {args.repeats} timed rounds "
+          f"after {args.warmup} warm-up, variants interleaved, {threads} torch thread(s) ({chosen})", file=out)
     print(bench_table(variants, args.mode == "training"), file=out)
 
 
@@ -214,11 +221,27 @@ def _user_code_context(args):
         sys.argv = saved
 
 
+@contextlib.contextmanager
+def _fxopt_warnings_as_lines():
+    """fxopt's warnings during a command as one line each, `fxopt: warning: ...`: no file and line, as the
+    user's code here is MODEL, not a line calling fxopt. Other warnings are shown as Python shows them."""
+    with warnings.catch_warnings():
+        shown_elsewhere = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not str(message).startswith("fxopt: "):
+                return shown_elsewhere(message, category, filename, lineno, file, line)
+            print(f"fxopt: warning: {_one_line(str(message).removeprefix('fxopt: '))}", file=sys.stderr)
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = sys.stdout
     try:
-        with _user_code_context(args):
+        with _user_code_context(args), _fxopt_warnings_as_lines():
             COMMANDS[args.command](args, out)
     except KeyboardInterrupt:
         print("fxopt: interrupted", file=sys.stderr)

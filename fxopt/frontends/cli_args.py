@@ -115,4 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", action="store_true", help="also time torch.compile(model, backend='fxopt')")
     bench.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
+    bench.add_argument("--threads", type=int, metavar="N",
+                       help="torch intra-op threads while timing (default 1 on CPU: on a shared or busy machine "
+                            "torch's default, a thread per core, makes latencies vary a hundredfold)")
     return parser

@@ -5,10 +5,12 @@ and backward in training (gradients cleared between steps). Runs are interleaved
 so drift in the machine's speed hits every variant alike; the table shows the spread of the
 rounds (min, quartiles, max around the median) and the per-round speedup over eager. In training the peak memory of one step is measured with `fxopt.measure.measure_peak`
 (live storages, parameters/buffers/inputs/gradients excluded); it cannot see inside a compiled
-graph, so the compiled variant has no peak figure.
+graph, so the compiled variant has no peak figure. The timing runs with a set number of torch threads
+(`torch_threads`; the command line's default is one on CPU, see `fxopt bench --threads`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -31,6 +33,17 @@ class Variant:
     setup_seconds: float
     times: list[float] = dataclasses.field(default_factory=list)
     peak_bytes: int | None = None
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to `n` inside, and given back after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _step(module, inputs: tuple, training: bool) -> Callable[[], None]:

@@ -19,7 +19,7 @@ from ..analysis.costs import Costs, estimate_costs, placeholder_values
 from ..pipeline.instruments import Instrument
 from ..errors import FxoptError
 from ..pipeline.report import PassReport, Report
-from .cli_loading import format_shape
+from .cli_loading import describe_inputs
 
 # The documented, stable shape of `fxopt inspect --json` (README "Inspecting a model").
 JSON_KEYS = {
@@ -216,9 +216,7 @@ class InspectResult:
         return self.only is None or site.refused == (self.only == "refused")
 
     def __str__(self) -> str:
-        shapes = ", ".join(format_shape(x.shape) for x in self.inputs)
-        dtype = str(self.inputs[0].dtype).removeprefix("torch.")
-        lines = [f"fxopt inspect {self.spec}: {self.report.mode}, inputs {shapes} ({dtype}), "
+        lines = [f"fxopt inspect {self.spec}: {self.report.mode}, inputs {describe_inputs(self.inputs)}, "
                  f"{len(self.report.graphs)} graph(s)", "", self.passes_table()]
         sites = self.report.sites_table(self._keep_site)
         if sites:

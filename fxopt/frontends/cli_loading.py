@@ -3,7 +3,7 @@
     load_model("package.module:attr" | "path/to/file.py:attr")   -> nn.Module
     parse_shape("8x3x224x224")                                     -> (8, 3, 224, 224)
     make_inputs(shapes, dtypes, int_high)                          -> random example tensors
-    check_model_accepts(model, inputs)                             -> names the layer that rejects them
+    check_model_accepts(model, inputs, int_high)                   -> names the layer that rejects them
 
 `attr` may be an `nn.Module` subclass (constructed with no arguments), a factory function taking
 no arguments, or a module instance; a dotted `attr` (`Outer.make`) is looked up step by step.
@@ -82,6 +82,9 @@ def make_inputs(shapes: list[tuple[int, ...]], dtypes: list[str], int_high: int 
 def _import_file(path: pathlib.Path):
     if not path.is_file():
         raise FxoptError(f"cannot import {str(path)!r}: no such file")
+    if path.suffix != ".py":
+        raise FxoptError(f"cannot import {str(path)!r}: not a Python file; MODEL is 'path/to/file.py:attr' "
+                         "or 'package.module:attr'")
     sys.path.insert(0, str(path.resolve().parent))  # sibling imports work, as when running the file
     name = "_fxopt_model_" + re.sub(r"[^0-9A-Za-z_]", "_", path.stem)
     spec = importlib.util.spec_from_file_location(name, path)
@@ -94,7 +97,7 @@ def _import_file(path: pathlib.Path):
 def _import_target(target: str):
     """Import `path/to/file.py` or `package.module`; any failure in the user's code becomes an FxoptError."""
     try:
-        if target.endswith(".py") or "/" in target or os.sep in target:
+        if target.endswith(".py") or "/" in target or os.sep in target or os.path.isfile(target):
             return _import_file(pathlib.Path(target))
         if os.getcwd() not in sys.path:  # `fxopt inspect pkg.mod:attr` finds pkg the way `python -m` would
             sys.path.insert(0, os.getcwd())
@@ -155,6 +158,10 @@ def load_model(spec: str) -> torch.nn.Module:
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise FxoptError(f"MODEL must be 'package.module:attr' or 'path/to/file.py:attr', got {spec!r}")
+    if ":" in target and not pathlib.Path(target).exists():  # a colon in a path ('C:/...') is fine
+        first, _, rest = spec.partition(":")
+        raise FxoptError(f"MODEL {spec!r} has more than one ':'; an attribute inside another is reached with a dot: "
+                         f"'{first}:{rest.replace(':', '.')}'")
     module = _import_target(target)
     obj = module
     for part in attr.split("."):
@@ -166,35 +173,51 @@ def load_model(spec: str) -> torch.nn.Module:
     return _instantiate(obj, spec)
 
 
-def _describe_inputs(args) -> str:
+def _describe_shapes(args) -> str:
     shapes = [format_shape(a.shape) for a in args if isinstance(a, torch.Tensor)]
     return ", ".join(shapes) or "no tensors"
 
 
-def _wants_integers(inputs: tuple, layer, message: str) -> bool:
-    """Float inputs given to an embedding (or an op that asks for Long/Int indices)."""
-    if not any(x.is_floating_point() for x in inputs):
-        return False
-    return isinstance(layer, torch.nn.Embedding) or bool(re.search(r"\b(Long|Int)\b|indices", message))
+def describe_inputs(inputs: tuple) -> str:
+    """Shapes with their dtype: '2x6, 2x4 (float32)', or each its own: '2x5 (int64), 2x5 (float32)'."""
+    dtypes = [str(x.dtype).removeprefix("torch.") for x in inputs]
+    if len(set(dtypes)) == 1:
+        return f"{_describe_shapes(inputs)} ({dtypes[0]})"
+    return ", ".join(f"{format_shape(x.shape)} ({d})" for x, d in zip(inputs, dtypes))
 
 
-def check_model_accepts(model: torch.nn.Module, inputs: tuple) -> None:
+def _hint(inputs: tuple, layer, args: tuple, error: BaseException, message: str, int_high: int) -> str:
+    """What to change on the command line when the model rejects the inputs: the dtype of token ids, or their range."""
+    given = [a for a in args if isinstance(a, torch.Tensor)] if layer is not None else list(inputs)
+    if isinstance(layer, torch.nn.Embedding) and given and not given[0].is_floating_point():
+        if isinstance(error, IndexError) and int_high > layer.num_embeddings:
+            return (f"; token ids are drawn from [0, {int_high}) (--int-high) but this embedding has "
+                    f"{layer.num_embeddings} rows: give --int-high {layer.num_embeddings} or less")
+        return ""
+    if isinstance(error, IndexError) and any(not x.is_floating_point() for x in given):
+        return (f"; integer inputs are drawn from [0, {int_high}) (--int-high): if they index a table, give "
+                "--int-high at most its size")
+    if any(x.is_floating_point() for x in given) and (isinstance(layer, torch.nn.Embedding)
+                                                      or re.search(r"\b(Long|Int)\b|indices", message)):
+        return "; the model wants integer token ids: add --dtype int64 (values drawn from [0, --int-high))"
+    return ""
+
+
+def check_model_accepts(model: torch.nn.Module, inputs: tuple, int_high: int = DEFAULT_INT_HIGH) -> None:
     """Run `model(*inputs)` once (state restored); on failure name the innermost layer running
-    (`fxopt.running_modules`)."""
+    (`fxopt.running_modules`) and what to change (`_hint`)."""
     try:
         with running_modules(model) as running, preserved_state(model):
             model(*inputs)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's model rejected the inputs
-        dtypes = ", ".join(sorted({str(x.dtype).removeprefix("torch.") for x in inputs}))
-        message = f"the model rejects inputs {_describe_inputs(inputs)} ({dtypes})"
-        layer = None
+        message = f"the model rejects inputs {describe_inputs(inputs)}"
+        layer, args = None, ()
         if running:
             path, layer, args, _ = running[-1]
             where = f"layer {path!r}" if path else "the model's own forward"
-            message += f": {where} ({type(layer).__name__}) called with {_describe_inputs(args)}"
+            message += f": {where} ({type(layer).__name__}) called with {_describe_shapes(args)}"
         first_line = (str(e).strip().splitlines() or [""])[0]
         if isinstance(e, SystemExit):
             first_line = f"sys.exit({e.code!r}) was called"
-        hint = "" if not _wants_integers(inputs, layer, first_line) else \
-            "; the model wants integer token ids: add --dtype int64 (values drawn from [0, --int-high))"
+        hint = _hint(inputs, layer, args, e, first_line, int_high)
         raise FxoptError(f"{message} raised {type(e).__name__}: {first_line}{hint}") from e

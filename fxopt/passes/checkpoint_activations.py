@@ -31,9 +31,9 @@ fxopt.analysis.region_overhead; per region: on a block of this graph, fxopt.pass
 lowest predicted step time whose predicted peak fits is chosen (figure `predicted_recompute_s`). An exact
 dynamic program over region boundaries and the region kinds returns the cheapest plan under
 the budget (a √n split would ignore both the prices and where the peak lands); if no plan
-fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning and the report's
-headline name the budget, that floor ("lowest reachable: 0.45x") and what keeps the step above
-it. A region that would free nothing (no saved bytes, no lower peak) is never made.
+fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning (at the caller's line) and the
+report's headline name the budget, that floor ("lowest reachable: 0.45x"), what keeps the step above it and the
+budget it meets. A region that would free nothing (no saved bytes, no lower peak) is never made.
 
 Why it is safe: a recomputed region computes the same values from the same inputs; the
 non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
@@ -66,14 +66,13 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
 from ..analysis.aliasing import is_inplace_op
-from ..analysis.memory import Region, StepProfile, estimate, step_profile
+from ..analysis.memory import Estimate, Region, StepProfile, estimate, step_profile
 from ..analysis.peak_holders import peak_holders
 from ..analysis.saved_tensors import RUNTIME_KERNEL_OPS, measurement
 from ..analysis.shapes import remember_shape_sources
@@ -82,6 +81,7 @@ from ..op_names import op_name
 from ..analysis.side_effects import MUTATION, effects
 from ..collector import collector_paused
 from ..errors import FxoptError
+from ..user_code import warn_at_users_line
 from ._checkpoint_plan import plan_floor, plan_regions, region_boundaries
 from ._checkpoint_region import CheckpointedRegion, can_recompute_batch_norm, extract_region, is_lone_state_update
 from ._region_calibration import calibrated_overhead, calibration_span
@@ -154,13 +154,24 @@ def _megabytes(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if abs(n) >= 1e4 else f"{n / 1e6:.2g} MB"
 
 
-def _why_unreachable(result: PassResult) -> str:
-    """One line on what keeps the step above the budget."""
+def _why_unreachable(result: PassResult, floor: Estimate) -> str:
+    """One line on what holds the lowest reachable peak (`floor`): where it lands, and what cannot be recomputed."""
+    if floor.backward_peak >= floor.forward_peak:
+        held = ("its peak is in backward, held by region inputs, tensors saved outside regions and the gradients "
+                "in flight (of activations and of parameters)")
+    else:
+        held = "its peak is in forward, held by the tensors kept for backward and those the next ops still read"
     refusals = {k.removeprefix("refused_"): n for k, n in result.stats.items() if k.startswith("refused_")}
     blocked = ", ".join(f"{n} {reason}" for reason, n in sorted(refusals.items()))
-    held = ("what remains is region inputs, tensors saved outside regions and the gradients in flight "
-            "(of activations and of parameters)")
-    return f"{blocked} node(s) cannot be recomputed; {held}" if blocked else held
+    return f"{held}; {blocked} node(s) cannot be recomputed" if blocked else held
+
+
+def _what_next(kind: str, lowest: int, reference: int) -> str:
+    """What the caller can change: a budget the floor meets, or a smaller step."""
+    size = f"{math.ceil(lowest / 1e3)}KB" if lowest < 1e7 else f"{math.ceil(lowest / 1e6)}MB"
+    met = f"memory_budget={math.ceil(100 * lowest / reference) / 100:g}" if kind == "fraction" else \
+        f"memory_budget='{size}'"
+    return f"give {met} or more, or a smaller batch"
 
 
 def _peak_text(profile: StepProfile, regions, refused: bool) -> str:
@@ -285,8 +296,8 @@ class CheckpointActivations(Pass):
         if unreachable:
             regions = plan_floor(profile, checkpointable, allowed=may_make)
         if unreachable:
-            lowest = estimate(profile, regions).peak
-            why = _why_unreachable(result)
+            floor = estimate(profile, regions)
+            lowest, why = floor.peak, _why_unreachable(result, floor)
             holders = _peak_text(profile, regions, refused=any(k.startswith("refused_") for k in result.stats))
             why = f"{why}; {holders}" if holders else why
             result.record("refused", "<graph>", "budget_unreachable",
@@ -294,8 +305,8 @@ class CheckpointActivations(Pass):
                           f"({lowest / 1e6:.2f} MB): {why}")
             result.figures["headline"] = (f"memory_budget {value!r} ({limit / 1e6:.2f} MB) NOT met: lowest "
                                           f"reachable {lowest / reference:.2f}x of the step peak "
-                                          f"({lowest / 1e6:.2f} MB); {why}")
-            warnings.warn(f"fxopt: {result.figures['headline']}", stacklevel=3)  # where the pass manager runs it
+                                          f"({lowest / 1e6:.2f} MB); {why}: {_what_next(kind, lowest, reference)}")
+            warn_at_users_line(f"fxopt: {result.figures['headline']}")
         useful = tuple(r for r in regions if _frees(profile, r) > 0)  # a region that frees nothing only costs,
         if estimate(profile, useful).peak <= estimate(profile, regions).peak:  # unless it lowers the peak
             regions = useful

@@ -33,6 +33,18 @@ def resolve_mode(mode: str, training_flag: bool) -> str:
     return mode
 
 
+def _who_takes(option: str, mode: str, accepted: set[str]) -> str:
+    """What to do about an option no selected pass takes: the mode its passes run in, or the options taken."""
+    owners = [cls for cls in PASSES.values() if option in cls.options]
+    modes = [m for m in MODES if m != mode and any(m in cls.modes for cls in owners)]
+    if owners and modes:
+        return (f"it is {owners[0].name}'s, which runs in {modes[0]} mode: pass mode={modes[0]!r} "
+                f"(on the command line: --mode {modes[0]})")
+    if owners:
+        return f"it is {owners[0].name}'s: add {owners[0].name} to passes (on the command line: to --passes)"
+    return f"options they take: {', '.join(sorted(accepted)) or 'none'}"
+
+
 def build_pipeline(mode: str, names, options: dict, *, mode_per_graph: bool = False) -> list[Pass]:
     """The passes to run, for every front end; unknown names, wrong modes and stray options are errors.
 
@@ -60,8 +72,7 @@ def build_pipeline(mode: str, names, options: dict, *, mode_per_graph: bool = Fa
         if close and close[0] != stray[0]:
             raise FxoptError(f"unknown option {stray[0]!r}: did you mean {close[0]}?")
         raise FxoptError(f"option {stray[0]!r} is not taken by any selected pass "
-                         f"({', '.join(p.name for p in passes) or 'none'}); options they take: "
-                         f"{', '.join(sorted(accepted)) or 'none'}")
+                         f"({', '.join(p.name for p in passes) or 'none'}); {_who_takes(stray[0], mode, accepted)}")
     for p in passes:
         for name, (_default, _help, *values) in p.options.items():
             if values and name in options and options[name] not in values[0]:
