@@ -211,9 +211,8 @@ def _unmeasured(profile: StepProfile, result: PassResult) -> None:
                       "what it keeps and allocates is guessed (its output and every input), not measured or known: "
                       "the predicted peak may be off")
     result.figures["unmeasured_ops"] = [n.name for n in guessed]
-    warnings.warn(f"fxopt: the predicted step peak rests on {len(guessed)} op(s) whose memory was guessed, not "
-                  f"measured: {', '.join(n.name for n in guessed[:5])}{' ...' if len(guessed) > 5 else ''}",
-                  stacklevel=4)
+    warn_at_users_line(f"fxopt: the predicted step peak rests on {len(guessed)} op(s) whose memory was guessed, not "
+                       f"measured: {', '.join(n.name for n in guessed[:5])}{' ...' if len(guessed) > 5 else ''}")
 
 
 def _region_name(gm: fx.GraphModule, profile: StepProfile, region: Region) -> str:
