@@ -1,9 +1,19 @@
 """Which of a model's outputs a loss differentiates (`differentiable_outputs`): parsing and checking the option."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 
 from .errors import FxoptError
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputPlaces:
+    """Where a model's outputs are among its Dynamo graph's outputs: each output's index or key with the
+    positions of its tensors (`entries`), found for a graph of `graph_outputs` outputs."""
+
+    entries: tuple[tuple[Hashable, tuple[int, ...]], ...]
+    graph_outputs: int
 
 
 def parse_differentiable_outputs(value) -> tuple | None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
@@ -135,8 +134,8 @@ def test_aux_head_declared_non_differentiable_runs_without_grad():
     assert report.figures["bytes_no_longer_saved"] > 0
     code = opt.graph_module.code
     assert "call_without_grad" in code and ".detach()" in code
-    main = re.search(r"tree_unflatten\(\((\w+),", code).group(1)
-    assert f"{main} = torch.ops.aten.linear.default(" in code  # the main head stays recorded
+    returned = opt.graph_module.graph.find_nodes(op="output")[0].args[0]
+    assert any(n.target is torch.ops.aten.linear.default for n in returned)  # the main head stays recorded
     out = opt(X_VEC)
     assert [t.requires_grad for t in out] == [True, False, False]
 
@@ -258,13 +257,13 @@ class UntraceableRoot(nn.Module):
         self.inner = AuxHead()
 
     def forward(self, x):
-        if x.sum() > 0:  # data-dependent: the root stays opaque, `inner` is captured on its own
+        if x.sum() > 0:  # data-dependent: Dynamo breaks the graph here, `inner` is captured on its own
             return self.inner(x)
         return self.inner(-x)
 
 
-def test_submodule_graph_refuses_differentiable_outputs():
-    """A captured submodule's outputs are not the model's: differentiable_outputs must not apply there."""
+def test_graph_after_a_graph_break_refuses_differentiable_outputs():
+    """A graph after a graph break returns a part of the model's work, not its outputs: differentiable_outputs must not apply there."""
     torch.manual_seed(0)
     model = UntraceableRoot().train()
     opt = fxopt.optimize(model, X_VEC, mode="training", passes=PRUNE, differentiable_outputs=[0])
@@ -341,8 +340,7 @@ def test_unfreezing_after_optimize_still_gives_weight_gradients():
     weight = model.body[0][0].weight
     assert opt.get_submodule("body.0.0").weight is weight  # parameters are shared with the caller's model
     weight.requires_grad_(True)
-    with pytest.warns(UserWarning, match=r"body\.0\.0\.weight\.requires_grad is False.*optimized the model again"):
-        assert_same_step(model, opt, (X_IMG,), training=True)
+    assert_same_step(model, opt, (X_IMG,), training=True)
 
 
 def test_frozen_conv_on_the_torch_compile_path():

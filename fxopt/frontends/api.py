@@ -1,13 +1,16 @@
 """`fxopt.optimize`: the model compiled by TorchDynamo with fxopt's backend, returned with its reports."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from ..capture import check_initialized
+from ..capture.outputs import output_places
 from ..errors import FxoptError
 from ..model_copy import independent_copy
+from ..output_selection import OutputPlaces, chosen_outputs, parse_differentiable_outputs
 from ..passes import PASSES
 from ..passes.base import INFERENCE
 from ..pipeline.instruments import Instrument
@@ -75,16 +78,32 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, example_kwargs: Map
         raise FxoptError(f"unknown lowering {lowering!r}; expected one of: {', '.join(LOWERINGS)}")
     mode = resolve_mode(mode, model.training)
     build_pipeline(mode, passes, pass_options)  # bad options fail here, before any copy or compile
+    if mode == INFERENCE and pass_options.get("differentiable_outputs") is not None:
+        raise FxoptError("differentiable_outputs applies to training; in inference nothing is differentiated")
     if isinstance(model, OptimizedModule):  # optimizing a result again: the model it stands for, with these options
         model = model.original
     check_initialized(model)  # a lazy module cannot be copied: say why, not that deepcopy failed
     source = independent_copy(model) if mode == INFERENCE else model
     backend = FxoptBackend(passes=passes, inner=lowering, verify=verify, instruments=tuple(instruments),
                            **pass_options)
+    if pass_options.get("differentiable_outputs") is not None:
+        backend.options = dataclasses.replace(backend.options, output_places=_output_places(
+            source, args, example_kwargs, pass_options["differentiable_outputs"]))
     result = OptimizedModule(source, backend)
     if args is not None or example_kwargs:
         _compile_on_example(result, args or (), dict(example_kwargs or {}), mode)
     return result
+
+
+def _output_places(model: torch.nn.Module, args: tuple | None, kwargs: Mapping | None, selection) -> OutputPlaces:
+    """Where the example call's outputs are among its graph's outputs, for differentiable_outputs to name
+    them (fxopt.capture.outputs); the selection checked against them."""
+    if args is None and not kwargs:
+        raise FxoptError("differentiable_outputs needs example inputs: the outputs it names are found on that call")
+    places = output_places(model, args or (), dict(kwargs or {}))
+    if places is not None:
+        chosen_outputs(dict(places.entries), parse_differentiable_outputs(selection))
+    return places
 
 
 def _compile_on_example(result: OptimizedModule, args: tuple, kwargs: dict, mode: str) -> None:

@@ -57,6 +57,7 @@ from ..analysis.ops import match_batch_norm
 from ..capture import NotTraceable, aten_graph
 from ..errors import FxoptError
 from ..model_copy import graph_module_copy
+from ..output_selection import OutputPlaces, chosen_outputs, parse_differentiable_outputs
 from ..passes import PASSES
 from ..passes.base import INFERENCE, TRAINING, PassContext
 from ..passes.checkpoint_activations import parse_budget
@@ -82,12 +83,13 @@ class BackendOptions:
     report: Callable[[Report], object] | str | os.PathLike | None = None
     instruments: tuple = ()  # observers of the pipeline (fxopt.pipeline.instruments), per graph
     other_pass_options: tuple[tuple[str, object], ...] = ()  # the passes' other options (relu_mask, channels_last)
+    output_places: OutputPlaces | None = None  # fxopt.optimize's: where the model's outputs are (fxopt.capture.outputs)
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
         """Check `options` (as given to torch.compile); anything unknown or malformed is a FxoptError."""
         options = dict(options or {})
-        fields = [f.name for f in dataclasses.fields(cls) if f.name != "other_pass_options"]
+        fields = [f.name for f in dataclasses.fields(cls) if f.name not in ("other_pass_options", "output_places")]
         declared = sorted({name for p in PASSES.values() for name in p.options} - set(fields))
         unknown = sorted(set(options) - set(fields) - set(declared))
         if unknown:
@@ -184,9 +186,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
     # A symbolic size reaches the backend as a SymInt: its value in this call, so no pass adds a guard
     concrete = [_torch_private.size_hint(x) if isinstance(x, torch.SymInt) else x for x in example_inputs]
     with _torch_private.outside_tracing_context():  # concrete sizes, and no guard added to Dynamo's shape env
-        verifier = Verifier(aten, concrete, training, inputs_are_state=True) if options.verify else None
+        verifier = Verifier(aten, concrete, training, differentiable=_differentiated_positions(aten, options),
+                            inputs_are_state=True) if options.verify else None
         captured = from_dynamo_graph(aten, concrete, f"dynamo_graph_{next(_graph_numbers)}", constant_inputs)
-        ctx = PassContext(mode, pass_options, constant_inputs, aot_autograd_next=not eager)
+        ctx = PassContext(mode, pass_options, constant_inputs, aot_autograd_next=not eager,
+                          output_places=options.output_places)
         report = run_pipeline(captured, pipeline, ctx, instruments=options.instruments, verifier=verifier)
     report.dynamic_sizes = _symbolic_inputs(gm)
     _note_dynamo_facts(report)
@@ -202,6 +206,17 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpti
         compiled = _torch_private.inductor_compile(aten, example_inputs)
     _deliver(report, options.report, on_report)
     return compiled
+
+
+def _differentiated_positions(aten: fx.GraphModule, options: BackendOptions) -> list[int] | None:
+    """The graph outputs a loss reads where `differentiable_outputs` names them (fxopt.optimize found where the
+    model's outputs are), for the verifier to differentiate only those; None: all."""
+    places, selection = options.output_places, parse_differentiable_outputs(options.differentiable_outputs)
+    returned = aten.graph.find_nodes(op="output")[0].args[0]
+    if places is None or selection is None or places.graph_outputs != len(returned):
+        return None
+    entries = dict(places.entries)
+    return sorted(p for key in chosen_outputs(entries, selection) for p in entries[key])
 
 
 def _unoptimized(gm: fx.GraphModule, example_inputs: list, report: Report, options: BackendOptions, on_report):

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch.fx as fx
 
 from ..capture.naming import module_path
+from ..output_selection import OutputPlaces
 
 INFERENCE = "inference"
 TRAINING = "training"
@@ -77,8 +78,9 @@ class PassContext:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     constant_inputs: frozenset[str] = frozenset()
     aot_autograd_next: bool = False
-    graph_path: str | None = None  # where the graph being rewritten sits: "" the whole model, None unknown
+    graph_path: str | None = None  # the graph's name in the report; "": a graph returning the whole model's outputs
     captured: fx.GraphModule | None = None  # that graph as captured, before any pass (passes that read it)
+    output_places: OutputPlaces | None = None  # where the model's outputs are among a Dynamo graph's outputs
 
 
 class Pass:

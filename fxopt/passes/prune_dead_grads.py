@@ -35,8 +35,9 @@ dropout or a train-mode BatchNorm under no_grad draws the same numbers and updat
 statistics. In inference mode only dead-code elimination runs (nothing is recorded there).
 
 When it refuses (reason in the report):
-  not_model_outputs   differentiable_outputs given, but this graph's outputs are not the model's
-                      (a captured submodule, or a Dynamo graph on the torch.compile path)
+  not_model_outputs   differentiable_outputs given, but this graph's outputs are not known to be the
+                      model's (fxopt.optimize maps them on its example call where Dynamo captured the
+                      whole forward in one graph; a graph break, or `backend="fxopt"`, leaves them unknown)
   not_importable      a function outside the loss that the graph cannot name again: it stays
                       recorded (the nodes around it still run without grad)
   region              a grad-mode or autocast region of an exported graph outside the loss: it runs
@@ -82,11 +83,15 @@ from ._frozen_ops import (call_method_without_grad, call_without_grad, conv_savi
 from .base import INFERENCE, Pass, PassContext, PassResult, site_name
 
 
-def output_entries(gm: fx.GraphModule) -> dict[Hashable, tuple[int, ...]]:
+def output_entries(gm: fx.GraphModule, ctx: PassContext | None = None) -> dict[Hashable, tuple[int, ...]]:
     """The model's outputs by index (tuple/list or a single value) or key (dict, ModelOutput), each as
-    the positions of its tensors among the graph's flat outputs (an exported graph rebuilds the
-    structure from them; a Dynamo graph's outputs are the positions themselves)."""
+    the positions of its tensors among the graph's flat outputs: where the front end found them
+    (`ctx.output_places`, a Dynamo graph that returns the whole model's outputs), else from the graph's
+    own output structure, else the positions themselves."""
     flat = _flat_outputs(gm)
+    places = ctx.output_places if ctx is not None else None
+    if places is not None and places.graph_outputs == len(flat):
+        return dict(places.entries)
     structure = _torch_private.output_structure(gm)
     if structure is None:
         return {i: (i,) for i in range(len(flat))}
@@ -133,9 +138,9 @@ class PruneDeadGrads(Pass):
         dead_code_sites = len(result.sites)
         chosen = self._chosen_outputs(gm, ctx, selection, result)
         needs = self._analyze(gm, ctx, chosen)
-        self._figures(needs, ctx, result)
+        self._figures(needs, result)
         self._run_without_grad(gm, needs, result)
-        self._detach_outputs(gm, needs, chosen, result)
+        self._detach_outputs(gm, needs, chosen, output_entries(gm, ctx), result)
         self._rewrite_frozen(gm, ctx, lambda: self._analyze(gm, ctx, chosen), result)
         if not any(not s.refused for s in result.sites[dead_code_sites:]):
             result.figures["bytes_no_longer_saved"] = 0  # nothing rewritten: no fake forwards (slow) to tell it
@@ -152,10 +157,12 @@ class PruneDeadGrads(Pass):
     # ---- analysis ----
 
     def _chosen_outputs(self, gm: fx.GraphModule, ctx: PassContext, selection, result: PassResult) -> set:
-        entries = output_entries(gm)
+        entries = output_entries(gm, ctx)
         if selection is None:
             return set(entries)
-        if ctx.graph_path != "":  # a submodule's graph, or a Dynamo graph (one region of the model)
+        places = ctx.output_places
+        whole_model = ctx.graph_path == "" or (places is not None and places.graph_outputs == len(_flat_outputs(gm)))
+        if not whole_model:  # a submodule's graph, or a Dynamo graph not known to return the model's outputs
             where = f"graph {ctx.graph_path!r}" if ctx.graph_path else "a graph of unknown place"
             result.record("refused", "output", "not_model_outputs",
                           f"{where} does not return the model's outputs; differentiable_outputs not applied")
@@ -164,7 +171,7 @@ class PruneDeadGrads(Pass):
 
     @staticmethod
     def _analyze(gm: fx.GraphModule, ctx: PassContext, chosen: set) -> GradNeeds:
-        entries, flat = output_entries(gm), _flat_outputs(gm)
+        entries, flat = output_entries(gm, ctx), _flat_outputs(gm)
         differentiated = [flat[i] for key in chosen for i in entries[key] if isinstance(flat[i], fx.Node)]
         return analyze_grad_needs(gm, differentiated, ctx.constant_inputs)
 
@@ -207,11 +214,12 @@ class PruneDeadGrads(Pass):
             result.record("no_grad", site_name(new), detail=f"{node.name} feeds only outputs nobody differentiates")
 
     @staticmethod
-    def _detach_outputs(gm: fx.GraphModule, needs: GradNeeds, chosen: set, result: PassResult) -> None:
+    def _detach_outputs(gm: fx.GraphModule, needs: GradNeeds, chosen: set, entries: dict,
+                        result: PassResult) -> None:
         output = gm.graph.find_nodes(op="output")[0]
         flat = _flat_outputs(gm)
         detached: dict[fx.Node, fx.Node] = {}
-        for key, positions in output_entries(gm).items():
+        for key, positions in entries.items():
             recorded = [i for i in positions if key not in chosen and flat[i] in needs.requires_grad]
             if not recorded:
                 continue
@@ -327,12 +335,11 @@ class PruneDeadGrads(Pass):
     # ---- report ----
 
     @staticmethod
-    def _figures(needs: GradNeeds, ctx: PassContext, result: PassResult) -> None:
+    def _figures(needs: GradNeeds, result: PassResult) -> None:
         """Which parameters and inputs still need a gradient, named as in the caller's model."""
-        prefix = f"{ctx.graph_path}." if ctx.graph_path else ""
-        result.figures["params_needing_grad"] = [prefix + p for p in needs.params_needing_grad]
-        result.figures["params_losing_grad"] = [prefix + p for p in needs.params_losing_grad]
-        result.figures["inputs_needing_grad"] = [prefix + p for p in needs.inputs_needing_grad]
+        result.figures["params_needing_grad"] = list(needs.params_needing_grad)
+        result.figures["params_losing_grad"] = list(needs.params_losing_grad)
+        result.figures["inputs_needing_grad"] = list(needs.inputs_needing_grad)
 
 
 def _nbytes(node: fx.Node) -> int:
