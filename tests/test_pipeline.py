@@ -143,7 +143,7 @@ class DetachInput(Pass):
 
 def test_exception_inside_a_pass_names_it_and_the_passes_before_it():
     """A crash in a pass says which pass, which ran before it, and the original error."""
-    with pytest.raises(fxopt.FxoptError, match=r"pass 'explode' failed \(after noop, fold_conv_bn\): "
+    with pytest.raises(fxopt.FxoptError, match=r"pass 'explode' failed on graph 'graph_0' \(after noop, fold_conv_bn\): "
                                                r"RuntimeError: boom") as info:
         run_passes(eval_net(), [NoOp(), FoldConvBN(), Explode()])
     assert isinstance(info.value.__cause__, RuntimeError)
@@ -151,7 +151,7 @@ def test_exception_inside_a_pass_names_it_and_the_passes_before_it():
 
 def test_first_pass_failing_says_so():
     """With nothing before it, the message says it was the first pass."""
-    with pytest.raises(fxopt.FxoptError, match=r"pass 'explode' failed \(the first pass\)"):
+    with pytest.raises(fxopt.FxoptError, match=r"pass 'explode' failed on graph 'graph_0' \(the first pass\)"):
         run_passes(eval_net(), [Explode()])
 
 
@@ -202,7 +202,7 @@ def test_print_diff_shows_the_code_change():
     stream = io.StringIO()
     run_passes(eval_net(), [NoOp(), FoldConvBN()], [PrintDiff(stream)])
     lines = stream.getvalue().splitlines()
-    assert any(line.startswith("--- <model> before fold_conv_bn") for line in lines)
+    assert any(line.startswith("--- graph_0 before fold_conv_bn") for line in lines)
     assert any(line.startswith("-") and "aten.batch_norm" in line for line in lines)
     assert any(line.startswith("+") and "conv2d" in line for line in lines)
     assert not any("noop" in line for line in lines)
@@ -254,13 +254,13 @@ def test_verify_seeds_python_and_numpy_generators_and_leaves_the_callers_streams
     numpy.random.seed(3)
     optimized = fxopt.optimize(HostRandomMask().train(), (torch.randn(3, 4),), mode="training", verify=True)
     assert (random.random(), float(numpy.random.rand())) == expected
-    assert optimized.fxopt_report.opaque  # the root draws from host generators: it runs as written
+    assert optimized.fxopt_reports
 
 
 # ----------------------------------------------------------------------------- the report
 
 def test_report_to_dict_is_json():
-    """to_dict() is plain JSON data: passes, statistics, sites with reasons, opaque modules."""
+    """to_dict() is plain JSON data: passes, statistics, sites with reasons, what Dynamo did."""
     optimized = fxopt.optimize(eval_net(), X, passes=["fold_conv_bn"], verify=True)
     data = json.loads(json.dumps(optimized.fxopt_report.to_dict()))
     fold = data["passes"][0]
@@ -268,7 +268,8 @@ def test_report_to_dict_is_json():
     assert fold["stats"] == {"folded": 1, "refused_conv_has_other_users": 1}
     assert {(s["action"], s["reason"]) for s in fold["sites"]} == {("folded", ""), ("refused", "conv_has_other_users")}
     assert fold["max_abs_diff"] < 1e-4
-    assert data["mode"] == "inference" and data["opaque_modules"] == [] and data["specialized_graphs"] == []
+    assert data["mode"] == "inference" and data["graph_breaks"] == [] and data["not_optimized"] == ""
+    assert data["compile_id"] is not None and data["recompile_reason"] is None
 
 
 @pytest.mark.usefixtures("budget_may_be_unmet")
@@ -290,8 +291,8 @@ def test_report_str_is_a_table_with_folded_and_refused_sites_and_reasons():
     assert "----" in text  # tabulate's rule under the headers
 
 
-def test_report_lists_opaque_modules():
-    """Modules that stayed opaque appear in str() and to_dict() with the reason."""
+def test_report_lists_graph_breaks_with_the_users_line():
+    """A graph break appears in str() and to_dict() with Dynamo's reason and the line of the model's code."""
     class Branchy(nn.Module):
         def __init__(self):
             super().__init__()
@@ -300,10 +301,11 @@ def test_report_lists_opaque_modules():
         def forward(self, x):
             return self.net(x) if x.sum() > 0 else -self.net(x)
 
-    report = fxopt.optimize(Branchy().eval(), X.abs(), passes=["fold_conv_bn"]).fxopt_report
-    assert "Opaque modules (run unchanged" in str(report)
-    (opaque,) = report.to_dict()["opaque_modules"]
-    assert opaque["path"] == "" and opaque["type"] == "Branchy" and "data-dependent" in opaque["reason"]
+    first, *rest = fxopt.optimize(Branchy().eval(), X.abs(), passes=["fold_conv_bn"]).fxopt_reports
+    assert "Graph breaks (the code between graphs runs as Python)" in str(first)
+    ((reason, where),) = first.to_dict()["graph_breaks"]
+    assert where.startswith(f"{__file__}:") and reason
+    assert rest and rest[0].passes[0].stats["folded"] == 1  # the graph after the break is optimized
 
 
 # ----------------------------------------------------------------------------- verify=True
@@ -358,39 +360,21 @@ def test_verify_uses_copies_so_a_stateful_check_does_not_leak():
 
 
 def test_graph_module_results_are_plain_fx():
-    """The inference result of a traceable model is an fx.GraphModule a user can inspect and re-trace."""
+    """The optimized graph of a traceable model is an fx.GraphModule a user can inspect, copy and check."""
     optimized = fxopt.optimize(eval_net(), X, passes=["fold_conv_bn"]).graph_module
     assert isinstance(optimized, fx.GraphModule)
-    fx.symbolic_trace(optimized)
+    copy.deepcopy(optimized).graph.lint()
 
 
 # ----------------------------------------------------------------------------- shapes
 
 def _metadata(gm: fx.GraphModule) -> dict:
+    """Each op's shape, strides, dtype and requires_grad (inputs left out: propagation alone detaches them)."""
     def of(value):
         if isinstance(value, torch.Tensor):
             return value.shape, value.stride(), value.dtype, value.requires_grad
         return tuple(of(v) for v in value) if isinstance(value, (tuple, list)) else type(value)
-    return {n.name: of(n.meta.get("val")) for n in gm.graph.nodes}
-
-
-def test_shapes_of_a_static_export_are_not_propagated_again(monkeypatch):
-    """optimize() propagates no shapes for a static export (it keeps export's concrete fake values); after each pass only what it changed runs again."""
-    import fxopt.analysis.shapes as shapes
-    import fxopt.pipeline.run as run
-    calls = []
-
-    def counted(gm, example_inputs):
-        calls.append(gm)
-        return real(gm, example_inputs)
-
-    real = shapes.propagate_shapes
-    monkeypatch.setattr(shapes, "propagate_shapes", counted)  # also update_shapes' fallback
-    monkeypatch.setattr(run, "propagate_shapes", counted)
-    for mode in ("inference", "training"):
-        calls.clear()
-        fxopt.optimize(eval_net().train(mode == "training"), X, mode=mode)
-        assert len(calls) == 0, mode
+    return {n.name: of(n.meta.get("val")) for n in gm.graph.nodes if n.op != "placeholder"}
 
 
 @pytest.mark.parametrize("mode", ["inference", "training"])

@@ -51,7 +51,7 @@ class PassManager:
             for g in graphs:
                 self._run_one(p, g, dataclasses.replace(ctx, graph_path=g.path, captured=captured.get(g.path),
                                                                   constant_inputs=ctx.constant_inputs | g.constant_inputs), entry,
-                              done=[q.name for q in self.passes[:index - 1]])
+                              done=[q.name for q in self.passes[:index - 1]], qualify=len(graphs) > 1)
             report.passes.append(entry)
             for instrument in self.instruments:  # before verifying, so a failing stage is still shown
                 instrument.after_pass(index, entry, code_before, by_path)
@@ -60,7 +60,8 @@ class PassManager:
         return report
 
     @staticmethod
-    def _run_one(p: Pass, g: CapturedGraph, ctx: PassContext, entry: PassReport, done: list[str]) -> None:
+    def _run_one(p: Pass, g: CapturedGraph, ctx: PassContext, entry: PassReport, done: list[str],
+                qualify: bool) -> None:
         gm: fx.GraphModule = g.gm
         nodes_before = len(gm.graph.nodes)
         start = time.perf_counter()
@@ -84,7 +85,7 @@ class PassManager:
         entry.nodes_before += nodes_before
         entry.nodes_after += len(gm.graph.nodes)
         entry.stats.update(result.stats)
-        prefix = f"{g.path}:" if g.path else ""
+        prefix = f"{g.path}:" if qualify else ""  # sites of several graphs say whose they are
         for site in result.sites:
             site.node = prefix + site.node
         entry.sites.extend(result.sites)

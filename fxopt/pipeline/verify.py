@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import torch
+import torch.fx as fx
 
 from .. import _torch_private
 from ..errors import FxoptError
@@ -43,11 +44,13 @@ def differentiated_outputs(output, declared) -> list[torch.Tensor]:
     return [t for key, entry in entries.items() if key in chosen for t in flatten_tensors(entry)]
 
 
-def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool, differentiable=None) -> StepResult:
+def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool, differentiable=None,
+             input_names: dict[int, str] | None = None) -> StepResult:
     """One forward (and in training, backward) on copies; the caller's objects and random streams are untouched.
     torch's, Python's and NumPy's generators are seeded with SEED, so two runs draw the same numbers.
 
     `differentiable`: which outputs the loss reads (prune_dead_grads' `differentiable_outputs`).
+    `input_names`: names for inputs by position (a Dynamo graph's parameter inputs: `conv1.weight`).
     """
     model = independent_copy(model)
     inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
@@ -72,7 +75,7 @@ def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool, diff
                     tensors[f"grad:{name}"] = p.grad
             for i, x in enumerate(inputs):
                 if isinstance(x, torch.Tensor) and x.grad is not None:
-                    tensors[f"grad:input[{i}]"] = x.grad
+                    tensors[f"grad:{(input_names or {}).get(i, f'input[{i}]')}"] = x.grad
             for name, b in model.named_buffers():
                 tensors[f"buffer:{name}"] = b
     return StepResult(tensors, [x for x in inputs if isinstance(x, torch.Tensor)])
@@ -130,6 +133,8 @@ class Verifier:
         self.rtol, self.atol = rtol, atol
         self.differentiable = differentiable
         self.inputs_are_state = inputs_are_state
+        placeholders = original.graph.find_nodes(op="placeholder") if isinstance(original, fx.GraphModule) else []
+        self.input_names = {i: n.meta["state_name"] for i, n in enumerate(placeholders) if "state_name" in n.meta}
         try:
             self.reference = self._step(original)
         except FxoptError:
@@ -164,8 +169,9 @@ class Verifier:
     def _step(self, model: torch.nn.Module) -> StepResult:
         """One step on copies, outside any fake mode (Dynamo compiles backends inside one)."""
         with _torch_private.unset_fake_mode():
-            step = run_step(model, self.example_inputs, self.training, self.differentiable)
+            step = run_step(model, self.example_inputs, self.training, self.differentiable, self.input_names)
         if self.inputs_are_state:
-            step.tensors.update({f"input_after[{i}]": x.detach() for i, x in enumerate(step.inputs_after)})
+            step.tensors.update({f"after:{self.input_names.get(i, f'input[{i}]')}": x.detach()
+                                 for i, x in enumerate(step.inputs_after)})
         return step
 
