@@ -98,7 +98,6 @@ def test_bad_mode():
     (["image.png"], r"\[0\] is a str"),
     ((), "non-empty tuple of tensors"),
     ({"x": X}, "got dict"),
-    (None, "got NoneType"),
 ])
 def test_example_inputs_that_are_not_tensors(inputs, message):
     """Non-tensor example inputs are refused up front, saying which one is wrong."""

@@ -15,7 +15,9 @@ from ..passes import PASSES
 from ..passes.base import INFERENCE
 from ..pipeline.instruments import Instrument
 from ..pipeline.pipelines import build_pipeline, resolve_mode
+from ..running_modules import running_modules
 from ..state_preservation import preserved_state
+from ..tree import tensors_in
 from .backend import FxoptBackend
 from .result import OptimizedModule
 
@@ -107,10 +109,43 @@ def _output_places(model: torch.nn.Module, args: tuple | None, kwargs: Mapping |
 
 
 def _compile_on_example(result: OptimizedModule, args: tuple, kwargs: dict, mode: str) -> None:
-    """Call the result once on the example, as the mode would, and put back all that call changed."""
-    grad = torch.no_grad() if mode == INFERENCE else torch.enable_grad()
-    with preserved_state(result.original, (args, kwargs)), grad:
-        result(*args, **kwargs)
+    """Call the result once on the example, as the mode would, and put back all that call changed; where
+    the model itself rejects the example, an FxoptError naming the module that failed and its inputs."""
+    grad = torch.no_grad if mode == INFERENCE else torch.enable_grad
+    try:
+        with preserved_state(result.original, (args, kwargs)), grad():
+            result(*args, **kwargs)
+    except FxoptError:
+        raise
+    except Exception as compiled_error:
+        with grad():
+            rejection = _rejection(result.original, args, kwargs)
+        if rejection is None:  # eager runs it: the failure is fxopt's or Dynamo's, as it is
+            raise
+        raise rejection from compiled_error
+
+
+def _rejection(model: torch.nn.Module, args: tuple, kwargs: dict) -> FxoptError | None:
+    """Why `model` itself (uncompiled) rejects the call, naming the innermost module that failed and the
+    inputs it was given (`fxopt.running_modules`); None if it runs."""
+    try:
+        with running_modules(model) as running, preserved_state(model, (args, kwargs)):
+            model(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the user's model rejected the inputs
+        path, module, call_args, call_kwargs = running[-1] if running else ("", model, args, kwargs)
+        where = f"module {path!r} ({type(module).__name__})" if path else f"the model ({type(module).__name__})"
+        error = FxoptError(f"{type(model).__name__} rejected the example inputs [{_described([*args, *kwargs.values()])}]: "
+                           f"{where} failed on inputs [{_described([*call_args, *call_kwargs.values()])}]: "
+                           f"{type(e).__name__}: {e}")
+        error.__cause__ = e
+        return error
+    return None
+
+
+def _described(values: list) -> str:
+    """`(2, 3, 32, 32) float32` for each tensor among `values`."""
+    shapes = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors_in(values)]
+    return ", ".join(shapes) or "no tensors"
 
 
 def available_passes() -> list[str]:
