@@ -553,6 +553,29 @@ def compile_on_its_own(module: torch.nn.Module, backend, dynamic: bool | None = 
     return torch.compile(module, backend=backend, dynamic=dynamic)
 
 
+_HOOK_GUARD_SETTING: list[bool] = []  # torch's own setting while a frame compiled for fxopt.optimize guards hooks
+
+
+def guard_module_hooks_of_this_compile() -> None:
+    """Make the frame Dynamo is compiling now guard on its modules' hook dicts. torch skips guards on
+    empty ones (`skip_nnmodule_hook_guards`), so a hook registered after compiling would silently not
+    run. Dynamo builds a frame's guards after its backend returns: the setting stays until
+    `restore_hook_guard_setting()`, which the caller runs when its call returns."""
+    import torch._dynamo.config as config
+
+    if not _HOOK_GUARD_SETTING:
+        _HOOK_GUARD_SETTING.append(config.skip_nnmodule_hook_guards)
+    config.skip_nnmodule_hook_guards = False
+
+
+def restore_hook_guard_setting() -> None:
+    """Put back torch's hook-guard setting after `guard_module_hooks_of_this_compile` (nothing if unchanged)."""
+    if _HOOK_GUARD_SETTING:
+        import torch._dynamo.config as config
+
+        config.skip_nnmodule_hook_guards = _HOOK_GUARD_SETTING.pop()
+
+
 def dynamo_input_source(node) -> str | None:
     """The Python source Dynamo read a graph input from (`L['self']._modules['fc']._parameters['weight']`), or None."""
     source = getattr(node.meta.get("grapharg"), "source", None)

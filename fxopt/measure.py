@@ -31,7 +31,14 @@ class _LiveStorageMode(dispatch_mode_base()):
 
     Each allocation gets a serial number: Python reuses `id()`s of dead objects, so an id
     only names a storage while it is alive (`live_serials`).
+
+    TorchDynamo runs a frame uncompiled while a dispatch mode is active, unless the mode ignores
+    compile internals: this one does, so what it measures of an optimized model is the optimized graph.
     """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __init__(self, preexisting: set[int]):
         super().__init__()

@@ -49,6 +49,24 @@ def test_hooks_registered_before_optimize_run_on_every_call():
     torch.testing.assert_close(seen[-1], model(x).detach())
 
 
+def test_hook_registered_after_the_first_call_runs_and_torch_setting_is_kept():
+    """A hook registered on a submodule after the result compiled runs on the next call (torch skips guards on
+    empty hook dicts; fxopt's frames guard them), and torch's own setting is as it was afterwards."""
+    import torch._dynamo.config as dynamo_config
+
+    setting = dynamo_config.skip_nnmodule_hook_guards
+    model = Small().eval()
+    fast = fxopt.optimize(model, _x())
+    seen = []
+    fast.fc.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))  # the result's own modules
+    x = _x()
+    with torch.no_grad():
+        fast(x)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], model(x).detach())
+    assert dynamo_config.skip_nnmodule_hook_guards == setting
+
+
 def test_python_side_effects_in_forward_happen_on_every_call():
     """Appending to a list attribute, a module-level list and warnings.warn in forward happen per call, as in eager;
     an example call's changes to the model are put back (outside it, such as a global list, they stay)."""

@@ -136,6 +136,7 @@ class FxoptBackend:
         self.options = BackendOptions.parse(options)
         self.reports: list[Report] = []
         self.graph_modules: list[fx.GraphModule] = []
+        self.guard_hooks = False  # set by OptimizedModule, which puts torch's setting back after each call
 
     @classmethod
     def from_options(cls, options: BackendOptions) -> FxoptBackend:
@@ -145,6 +146,8 @@ class FxoptBackend:
         return backend
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
+        if self.guard_hooks:  # a hook the user registers later must make Dynamo recompile, never be skipped
+            _torch_private.guard_module_hooks_of_this_compile()
         compiled = compile_graph(gm, list(example_inputs), self.options, self.reports.append)
         if isinstance(compiled, fx.GraphModule):
             self.graph_modules.append(compiled)

@@ -38,6 +38,7 @@ class OptimizedModule(torch.nn.Module):
         d.update(_parameters=original._parameters, _buffers=original._buffers, _modules=original._modules,
                  _non_persistent_buffers_set=original._non_persistent_buffers_set)
         d["_backend"] = backend
+        backend.guard_hooks = True
         d["_compiled"] = _torch_private.compile_on_its_own(original, backend)
 
     def forward(self, *args, **kwargs):
@@ -50,6 +51,8 @@ class OptimizedModule(torch.nn.Module):
             if isinstance(inner, FxoptError):
                 raise inner from None
             raise
+        finally:  # a compile in this call made its frame guard on hooks (FxoptBackend.guard_hooks)
+            _torch_private.restore_hook_guard_setting()
 
     # ---- what fxopt did --------------------------------------------------------------------------
 

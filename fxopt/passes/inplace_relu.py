@@ -27,6 +27,8 @@ When it refuses an in-place rewrite (reason in the report):
                          is an expanded view or one of several views from `chunk`/`split`/`unbind`
   producer_saves_output  (training) the op that produced the input keeps its output for backward
   saved_by_other_op      (training) another op keeps the input for backward (e.g. a `mul` reading it)
+  slope_not_constant     (training) a slope/alpha the graph takes as an input (Dynamo made a float
+                         that changed between calls dynamic): its sign, which decides the next rule, is unknown
   backward_needs_input   (training) hardtanh/relu6/hardswish/silu, or a negative slope/alpha:
                          in place, autograd would keep a copy of the input (or cannot differentiate)
   output_written_later   (training) leaky_relu/elu, whose in-place form keeps its OUTPUT for backward
@@ -85,7 +87,10 @@ def _inplace_refusal(act: ActivationCall, gm: fx.GraphModule, aliases: AliasInfo
             return "aliased", f"{later[0].name} reads {a.name}, which shares storage with {x.name}, after {node.name}"
     if not training:
         return "", ""
-    if act.kind in _BACKWARD_NEEDS_INPUT or min(act.params.get("negative_slope", 0), act.params.get("alpha", 0)) < 0:
+    slopes = [act.params.get("negative_slope", 0), act.params.get("alpha", 0)]
+    if not all(isinstance(s, (int, float)) for s in slopes):  # a float Dynamo made dynamic: its sign may change
+        return "slope_not_constant", f"{act.kind}'s slope is a graph input (it changed between calls), its sign unknown"
+    if act.kind in _BACKWARD_NEEDS_INPUT or min(slopes) < 0:
         return "backward_needs_input", f"in place, autograd would keep a copy of {x.name} for {act.kind}'s backward"
     if keeps_output_only_in_place(act.kind):
         writers = [a for a in aliases.aliases(node) if a is not node and MUTATION in effects(a, gm)]
