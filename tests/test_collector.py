@@ -43,17 +43,12 @@ def test_a_callers_freeze_is_kept():
         gc.unfreeze()
 
 
-class _Untraceable(nn.Module):
-    def forward(self, x):
-        return x if x.sum() > 0 else -x  # data-dependent control flow
-
-
 @pytest.mark.filterwarnings("ignore:fxopt. memory_budget")  # a model too small for any region
 def test_optimize_leaves_the_collector_as_it_was_also_when_it_fails():
     """After optimize() -- one that works and one that raises -- nothing is frozen and the collector is enabled."""
     fxopt.optimize(nn.Sequential(nn.Linear(4, 4), nn.ReLU()).train(), (torch.randn(2, 4),), memory_budget=0.5)
-    with pytest.raises(FxoptError):
-        fxopt.optimize(_Untraceable(), (torch.randn(2, 4),), mode="inference", passes=["fold_conv_bn"])
+    with pytest.raises(FxoptError):  # the model rejects its example
+        fxopt.optimize(nn.Linear(4, 4), (torch.randn(2, 5),), mode="inference", passes=["fold_conv_bn"])
     assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 

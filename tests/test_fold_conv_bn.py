@@ -324,8 +324,8 @@ def test_report_lists_folded_and_refused_sites_with_reasons():
     assert dict(entry.stats) == {"folded": 2, "refused_conv_has_other_users": 1}
     assert [(s.node, s.action, s.reason) for s in entry.sites] == [
         ("bn_a", "folded", ""), ("bn_b", "refused", "conv_has_other_users"), ("bn_c", "folded", "")]
-    # per fold: -conv -bn -their 6 get_attr +folded weight +folded bias +folded conv (ATen form: parameters are get_attr)
-    assert (entry.nodes_before, entry.nodes_after) == (30, 20)
+    # per fold: -conv -bn +folded_conv_bn_params +its 2 getitems +folded conv (parameters are graph inputs)
+    assert (entry.nodes_before, entry.nodes_after) == (27, 31)
     text = str(optimized.fxopt_report)
     assert "refused_conv_has_other_users: 1" in text and "b is also read by add" in text
     assert optimized.fxopt_report.to_dict()["passes"][0]["stats"] == dict(entry.stats)

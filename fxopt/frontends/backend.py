@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 import json
 import os
 import warnings
@@ -136,6 +137,7 @@ class FxoptBackend:
         self.options = BackendOptions.parse(options)
         self.reports: list[Report] = []
         self.graph_modules: list[fx.GraphModule] = []
+        self.graph_inputs: list[list] = []  # per graph module, the inputs it was compiled on, held weakly
         self.guard_hooks = False  # set by OptimizedModule, which puts torch's setting back after each call
 
     @classmethod
@@ -151,7 +153,13 @@ class FxoptBackend:
         compiled = compile_graph(gm, list(example_inputs), self.options, self.reports.append)
         if isinstance(compiled, fx.GraphModule):
             self.graph_modules.append(compiled)
+            self.graph_inputs.append([weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in example_inputs])
         return compiled
+
+    def inputs_of(self, index: int) -> list | None:
+        """The inputs graph module `index` was compiled on (parameters, the call's tensors), while they live."""
+        values = [x() if isinstance(x, weakref.ref) else x for x in self.graph_inputs[index]]
+        return None if any(v is None for v in values) else values
 
 
 def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **unexpected):

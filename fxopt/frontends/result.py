@@ -79,6 +79,12 @@ class OptimizedModule(torch.nn.Module):
             raise FxoptError("nothing is compiled yet: call the result (or give fxopt.optimize an example) first")
         return self._backend.graph_modules[-1]
 
+    @property
+    def graph_inputs(self) -> list | None:
+        """The inputs the most recent graph module was compiled on (parameters and buffers among them, in its
+        placeholders' order), while they are alive; None otherwise."""
+        return self._backend.inputs_of(len(self._backend.graph_modules) - 1) if self._backend.graph_modules else None
+
     # ---- behaving like the model ---------------------------------------------------------------
 
     def _get_training(self) -> bool:

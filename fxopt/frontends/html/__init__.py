@@ -50,11 +50,13 @@ class PageRecorder:
         """Measure the step before (the caller's model) and after (fxopt's result), write the page; return
         where the time went (`phase_times`)."""
         start = time.perf_counter()
-        # The variant in use, not the guarded wrapper: the timeline's attribution hooks would trip the
-        # wrapper's hook guard and measure the original model instead.
-        in_use = getattr(optimized, "graph_module", optimized)
-        timelines = [measure_timeline(model, self.inputs, self.training, "before fxopt"),
-                     measure_timeline(in_use, self.inputs, self.training, "after fxopt")]
+        # The optimized graph itself, on the inputs it was compiled on (its parameters among them): the
+        # timeline's attribution hooks on the result would make Dynamo compile it again, with them inside.
+        graph_inputs = optimized.graph_inputs if len(optimized.graph_modules) == 1 else None
+        timelines = [measure_timeline(model, self.inputs, self.training, "before fxopt")]
+        if graph_inputs is not None:
+            timelines.append(measure_timeline(optimized.graph_module, tuple(graph_inputs), self.training,
+                                              "after fxopt"))
         self.after_seconds += time.perf_counter() - start
         report = optimized.fxopt_report
         timings = phase_times(optimize_seconds, report, costs, self)

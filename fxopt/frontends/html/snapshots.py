@@ -147,7 +147,8 @@ class GraphSnapshots(Instrument):
 
     def _snapshot(self, name: str, graphs: dict[str, fx.GraphModule]) -> None:
         start = time.perf_counter()
-        nodes = [v for path, gm in graphs.items() for v in view_graph(gm, path)]
+        several = len(graphs) > 1  # then node names say their graph, as the report's sites do
+        nodes = [v for path, gm in graphs.items() for v in view_graph(gm, path if several else "")]
         self.stages.append(Stage(name, nodes))
         self.seconds += time.perf_counter() - start
 
