@@ -1,6 +1,8 @@
 """Bugs the fuzzer (tests/fuzz.py) found, each reduced to a small model, plus a short fuzz run in the
 default suite. A bug not fixed yet stays here as a strict xfail with its reason and an entry in
 `fuzz.KNOWN`: when the fix lands the test passes, the xfail fails as XPASS, and both are deleted."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -160,3 +162,18 @@ def test_fuzz_seed_trains_like_eager(seed):
     with 'modified by an inplace operation': the capture bug above)."""
     (outcome,) = fuzz(base_seed=seed, count=1, workers=1)
     assert outcome.status == "ok", outcome.detail.splitlines()[0]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 38: a float attribute changed after compiling (a BatchNorm's momentum) "
+                                       "makes Dynamo pass it as a graph input; the running statistics then differ")
+def test_batch_norm_momentum_changed_after_the_first_call_updates_statistics_as_eager():
+    """fuzz seeds 7010/7018: running statistics after a momentum change equal eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(3, affine=False)).train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, 5, 5)
+    optimized = fxopt.optimize(model, x, mode="training", passes=[])
+    for momentum in (0.1, 0.9):
+        model[0].momentum = reference[0].momentum = momentum
+        optimized(x), reference(x)
+    torch.testing.assert_close(model[0].running_mean, reference[0].running_mean, rtol=0, atol=1e-6)

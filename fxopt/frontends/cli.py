@@ -12,6 +12,8 @@ fxopt's warnings are one line each on stderr, `fxopt: warning: ...`.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import json
 import sys
@@ -162,8 +164,10 @@ def _inspect_command(args, out) -> None:
     optimized = optimize(model, inputs, mode=args.mode, passes=passes, verify=args.verify,
                          instruments=instruments, **options)
     total = time.perf_counter() - start
-    result = InspectResult(args.model, inputs, optimized.fxopt_report, costs,
-                           phase_times(total, optimized.fxopt_report, costs), only=args.only,
+    # the latest graph's report (the whole model's, where Dynamo broke no graph), with every graph break of the call
+    report = dataclasses.replace(optimized.fxopt_report,
+                                 graph_breaks=[b for r in optimized.fxopt_reports for b in r.graph_breaks])
+    result = InspectResult(args.model, inputs, report, costs, phase_times(total, report, costs), only=args.only,
                            pass_filter=args.pass_filter)
     if recorder is not None:
         progress.status("measuring the memory of a step, before and after")
