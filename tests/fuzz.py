@@ -428,10 +428,7 @@ def blame(case: Case, outcome: Outcome) -> str:
 # what it is).
 # A finding that matches is reported as known and does not fail the run; delete an entry once its fix
 # is merged (the matching xfail test in tests/test_fuzz_findings.py then fails as XPASS, as a reminder).
-KNOWN: tuple[tuple[str | None, str, str], ...] = (
-    ("capture", "running_mean differs", "issue 38: a BatchNorm's momentum that differs between models of one class "
-                                        "(Dynamo makes the float dynamic) gives wrong running statistics"),
-)
+KNOWN: tuple[tuple[str | None, str, str], ...] = ()
 
 
 def known_issue(pass_name: str, detail: str) -> str:

@@ -40,10 +40,11 @@ class _RealShapeProp(fx.Interpreter):
 def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
     """Fill `node.meta["val"]` for every node of `gm` (see module docstring).
 
-    Buffers are restored afterwards: even under fake tensors, a train-mode BatchNorm bumps its
-    real `num_batches_tracked`.
+    Buffers and the inputs are restored afterwards: even under fake tensors, a train-mode BatchNorm bumps
+    its real `num_batches_tracked`, and the real run a data-dependent graph falls back to updates the
+    statistics a Dynamo graph takes as inputs.
     """
-    with preserved_state(gm):
+    with preserved_state(gm, tuple(example_inputs)):
         try:
             mode = _torch_private.detect_fake_mode(example_inputs) or _torch_private.fake_tensor_mode()
             fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
