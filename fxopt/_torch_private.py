@@ -470,13 +470,30 @@ def lazily_compiled_graph_module(root, graph):
     return _LazyGraphModule(root, graph)
 
 
-def aten_graph_of_dynamo_graph(gm, example_inputs):
+class _Interpreter(torch.fx.Interpreter):
+    """Runs a Dynamo graph, calling `keep_whole(target, args, kwargs)` instead of each node whose target it
+    claims (returns not NotImplemented for): a call the trace must record as it is."""
+
+    def __init__(self, gm, keep_whole):
+        super().__init__(gm)
+        self.keep_whole = keep_whole
+
+    def call_function(self, target, args, kwargs):
+        if self.keep_whole is not None:
+            out = self.keep_whole(target, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return super().call_function(target, args, kwargs)
+
+
+def aten_graph_of_dynamo_graph(gm, example_inputs, keep_whole=None):
     """Dynamo's graph `gm` traced to ATen ops (`make_fx`, pre-dispatch: autograd still sees every op,
     so the graph runs under eager autograd as the model's own ops would), with Dynamo's symbolic sizes.
 
     Dynamo hands a backend its own fake mode through the tracing context; the placeholders' fake
     values (`example_value`) belong to the mode Dynamo traced in, so they are re-made in the backend's
-    (as AOTAutograd does for "cross compilation"). Returns the ATen graph and its fake inputs.
+    (as AOTAutograd does for "cross compilation"). `keep_whole(target, args, kwargs)` may stand in for a
+    call (NotImplemented: traced as usual). Returns the ATen graph and its fake inputs.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -494,7 +511,7 @@ def aten_graph_of_dynamo_graph(gm, example_inputs):
         if owner is not None:
             owner.allow_scalar_outputs = True
         with fake_mode, torch.fx.traceback.preserve_node_meta():  # each op keeps its module path and source line
-            aten = make_fx(torch.fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
+            aten = make_fx(_Interpreter(gm, keep_whole).run, pre_dispatch=True)(*fake_inputs)
     finally:
         if owner is not None:
             owner.allow_scalar_outputs = scalar_outputs

@@ -19,15 +19,10 @@ import torch.fx as fx
 from .. import _torch_private
 from ..errors import FxoptError
 from ..state_preservation import preserved_state
+from .autograd_functions import as_one_op, is_autograd_function_call
 from .naming import model_path
 
 __all__ = ["Capture", "CapturedGraph", "NotTraceable", "aten_graph", "capture", "check_initialized"]
-
-# Higher-order ops the ATen trace would flatten into their forward, dropping what they do for autograd
-# (a custom autograd Function's own backward): a graph holding one runs as Dynamo captured it.
-_KEPT_WHOLE = {"autograd_function_apply": "a custom autograd.Function (its own backward must run, and "
-                                          "fxopt's ATen trace would replace it by autograd's)"}
-
 
 class NotTraceable(Exception):
     """A Dynamo graph fxopt leaves as captured; the message says why."""
@@ -59,12 +54,12 @@ def check_initialized(model: torch.nn.Module) -> None:
 
 def aten_graph(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModule, frozenset[str]]:
     """Dynamo's graph traced to ATen ops, and the names of its placeholders that hold parameters or buffers;
-    NotTraceable where the trace would change what the graph computes."""
-    for node in gm.graph.nodes:
-        name = getattr(node.target, "__name__", None) if node.op == "call_function" else None
-        if name in _KEPT_WHOLE:
-            raise NotTraceable(f"it calls {_KEPT_WHOLE[name]} ({_where(node)})")
-    aten, _ = _torch_private.aten_graph_of_dynamo_graph(gm, example_inputs)
+    NotTraceable where the trace fails."""
+    try:
+        aten, _ = _torch_private.aten_graph_of_dynamo_graph(gm, example_inputs, _keep_autograd_functions_whole)
+    except Exception as e:  # noqa: BLE001 - an op or a value the ATen trace cannot follow: run as captured
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise NotTraceable(f"fxopt's ATen trace of it failed: {type(e).__name__}: {first_line}") from e
     dynamo_constants = _torch_private.dynamo_parameter_placeholders(gm, example_inputs)
     constants = set()
     for dynamo, node in zip(gm.graph.find_nodes(op="placeholder"), aten.graph.find_nodes(op="placeholder")):
@@ -76,11 +71,12 @@ def aten_graph(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModule
     return aten, frozenset(constants)
 
 
-def _where(node: fx.Node) -> str:
-    """The user's line a Dynamo node came from, as its stack trace's last line names it."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
-    return frames[-1] if frames else node.name
+def _keep_autograd_functions_whole(target, args: tuple, kwargs: dict):
+    """A custom autograd Function's call as one op running its own forward and backward (capture/autograd_functions.py)."""
+    if not is_autograd_function_call(target):
+        return NotImplemented
+    fwd, bwd, *call_args = args
+    return as_one_op(target, fwd, bwd, tuple(call_args), kwargs)
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Capture:
