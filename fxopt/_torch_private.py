@@ -570,27 +570,53 @@ def compile_on_its_own(module: torch.nn.Module, backend, dynamic: bool | None = 
     return torch.compile(module, backend=backend, dynamic=dynamic)
 
 
-_HOOK_GUARD_SETTING: list[bool] = []  # torch's own setting while a frame compiled for fxopt.optimize guards hooks
+# TorchDynamo settings for the calls of an fxopt.optimize result, where torch's defaults would let the compiled
+# model differ from eager: guard modules' hooks (torch skips guards on empty hook dicts, so a hook registered
+# after compiling would silently not run), run NumPy's random functions with NumPy's own stream (torch traces
+# them onto its generator: HF Wav2Vec2's SpecAugment masks would change), and keep float attributes constants
+# with a guard (a float made a graph input reaches ops whose ATen schema takes a Python float).
+FXOPT_DYNAMO_SETTINGS = {"skip_nnmodule_hook_guards": False, "use_numpy_random_stream": True,
+                         "specialize_float": True}
 
 
-def guard_module_hooks_of_this_compile() -> None:
-    """Make the frame Dynamo is compiling now guard on its modules' hook dicts. torch skips guards on
-    empty ones (`skip_nnmodule_hook_guards`), so a hook registered after compiling would silently not
-    run. Dynamo builds a frame's guards after its backend returns: the setting stays until
-    `restore_hook_guard_setting()`, which the caller runs when its call returns."""
+def _dynamo_setting_variables() -> list | None:
+    """Each setting's context variable (torch >= 2.10 keeps Dynamo's config in ContextVars), or None."""
+    import contextvars
+
     import torch._dynamo.config as config
 
-    if not _HOOK_GUARD_SETTING:
-        _HOOK_GUARD_SETTING.append(config.skip_nnmodule_hook_guards)
-    config.skip_nnmodule_hook_guards = False
+    entries = getattr(config, "_config", {})
+    variables = [(getattr(entries.get(name), "user_override", None), value)
+                 for name, value in FXOPT_DYNAMO_SETTINGS.items()]
+    return variables if all(isinstance(v, contextvars.ContextVar) for v, _ in variables) else None
 
 
-def restore_hook_guard_setting() -> None:
-    """Put back torch's hook-guard setting after `guard_module_hooks_of_this_compile` (nothing if unchanged)."""
-    if _HOOK_GUARD_SETTING:
-        import torch._dynamo.config as config
+_SETTING_VARIABLES = _dynamo_setting_variables()
 
-        config.skip_nnmodule_hook_guards = _HOOK_GUARD_SETTING.pop()
+
+def enter_fxopt_dynamo_settings():
+    """Apply FXOPT_DYNAMO_SETTINGS for this thread's call (a fraction of a microsecond); pass what it returns to
+    `leave_fxopt_dynamo_settings`."""
+    if _SETTING_VARIABLES is not None:
+        return [variable.set(value) for variable, value in _SETTING_VARIABLES]
+    import torch._dynamo.config as config  # older torch: plain attributes
+
+    before = {name: getattr(config, name) for name in FXOPT_DYNAMO_SETTINGS}
+    for name, value in FXOPT_DYNAMO_SETTINGS.items():
+        setattr(config, name, value)
+    return before
+
+
+def leave_fxopt_dynamo_settings(entered) -> None:
+    """Put back the settings `enter_fxopt_dynamo_settings` changed."""
+    if _SETTING_VARIABLES is not None:
+        for (variable, _), token in zip(_SETTING_VARIABLES, entered):
+            variable.reset(token)
+        return
+    import torch._dynamo.config as config
+
+    for name, value in entered.items():
+        setattr(config, name, value)
 
 
 def dynamo_input_source(node) -> str | None:

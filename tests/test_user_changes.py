@@ -360,3 +360,44 @@ def test_custom_autograd_function_keeps_its_backward():
     torch.testing.assert_close(model.lin.weight.grad, reference.lin.weight.grad)
     assert not fast.fxopt_report.not_optimized
     assert "fxopt.autograd_function" in fast.graph_module.code
+
+
+def test_numpy_random_draws_in_forward_come_from_numpy_as_in_eager():
+    """A forward drawing from NumPy's global generator (HF Wav2Vec2's SpecAugment) draws NumPy's numbers, not torch's."""
+    import numpy
+
+    class NumpyMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            keep = torch.from_numpy(numpy.random.rand(x.shape[-1]) > 0.5).to(x.dtype)
+            return self.lin(x) * keep
+
+    model = NumpyMask()
+    fast = fxopt.optimize(model, torch.randn(2, 6), mode="training")
+    x = torch.randn(3, 6)
+    numpy.random.seed(5)
+    got = fast(x)
+    numpy.random.seed(5)
+    torch.testing.assert_close(got, model(x))
+
+
+def test_float_attribute_changed_after_compiling_is_used():
+    """A float the forward reads (a scale, a dropout probability, a BatchNorm momentum) changed later is used at once."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.scale = nn.Linear(4, 4), 0.5
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    model = Scaled().eval()
+    fast = fxopt.optimize(model, torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    for scale in (2.0, -1.5):
+        fast.scale = scale
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), fast.original(x))

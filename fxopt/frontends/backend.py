@@ -57,6 +57,7 @@ from .. import _torch_private
 from ..analysis.ops import match_batch_norm
 from ..capture import NotTraceable, aten_graph
 from ..errors import FxoptError
+from ..host_rng import forked_host_rng
 from ..model_copy import graph_module_copy
 from ..output_selection import OutputPlaces, chosen_outputs, parse_differentiable_outputs
 from ..passes import PASSES
@@ -138,7 +139,6 @@ class FxoptBackend:
         self.reports: list[Report] = []
         self.graph_modules: list[fx.GraphModule] = []
         self.graph_inputs: list[list] = []  # per graph module, the inputs it was compiled on, held weakly
-        self.guard_hooks = False  # set by OptimizedModule, which puts torch's setting back after each call
 
     @classmethod
     def from_options(cls, options: BackendOptions) -> FxoptBackend:
@@ -148,8 +148,6 @@ class FxoptBackend:
         return backend
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
-        if self.guard_hooks:  # a hook the user registers later must make Dynamo recompile, never be skipped
-            _torch_private.guard_module_hooks_of_this_compile()
         compiled = compile_graph(gm, list(example_inputs), self.options, self.reports.append)
         if isinstance(compiled, fx.GraphModule):
             self.graph_modules.append(compiled)
@@ -176,6 +174,15 @@ def backend(**options) -> FxoptBackend:
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOptions,
                   on_report: Callable[[Report], object] | None = None):
+    """`_compile_graph`, leaving torch's, Python's and NumPy's random streams where they were: a compile inside
+    the user's call (a recompile, a first call) must not shift what the model draws next."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), forked_host_rng():
+        return _compile_graph(gm, example_inputs, options, on_report)
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOptions,
+                   on_report: Callable[[Report], object] | None = None):
     """Optimize one Dynamo graph with fxopt's pipeline, report, and lower it: run it eagerly, or hand it to
     AOTAutograd (with Inductor, or without code generation).
 

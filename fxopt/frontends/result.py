@@ -38,12 +38,12 @@ class OptimizedModule(torch.nn.Module):
         d.update(_parameters=original._parameters, _buffers=original._buffers, _modules=original._modules,
                  _non_persistent_buffers_set=original._non_persistent_buffers_set)
         d["_backend"] = backend
-        backend.guard_hooks = True
         d["_compiled"] = _torch_private.compile_on_its_own(original, backend)
 
     def forward(self, *args, **kwargs):
         if _torch_private.is_compiling():  # an outer torch.compile / torch.export traces the model itself
             return self.original(*args, **kwargs)
+        entered = _torch_private.enter_fxopt_dynamo_settings()  # hooks guarded, NumPy's own stream, floats constant
         try:
             return self._compiled(*args, **kwargs)
         except _torch_private.backend_compiler_failed() as e:  # say what failed in fxopt, not in Dynamo's words
@@ -51,8 +51,8 @@ class OptimizedModule(torch.nn.Module):
             if isinstance(inner, FxoptError):
                 raise inner from None
             raise
-        finally:  # a compile in this call made its frame guard on hooks (FxoptBackend.guard_hooks)
-            _torch_private.restore_hook_guard_setting()
+        finally:
+            _torch_private.leave_fxopt_dynamo_settings(entered)
 
     # ---- what fxopt did --------------------------------------------------------------------------
 
