@@ -70,6 +70,7 @@ def aten_graph(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModule
     for dynamo, node in zip(gm.graph.find_nodes(op="placeholder"), aten.graph.find_nodes(op="placeholder")):
         if dynamo.name in dynamo_constants:
             constants.add(node.name)
+            node.meta["constant_input"] = True  # analyses run on the graph alone know its state (analysis.ops)
             source = _torch_private.dynamo_input_source(dynamo)
             if source is not None:  # reports name a parameter as the model does: `encoder.layer.0.weight`
                 node.meta["state_name"] = model_path(source)
