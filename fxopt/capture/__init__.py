@@ -65,6 +65,7 @@ def aten_graph(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModule
         if name in _KEPT_WHOLE:
             raise NotTraceable(f"it calls {_KEPT_WHOLE[name]} ({_where(node)})")
     aten, _ = _torch_private.aten_graph_of_dynamo_graph(gm, example_inputs)
+    _drop_unused_scalar_reads(aten)
     dynamo_constants = _torch_private.dynamo_parameter_placeholders(gm, example_inputs)
     constants = set()
     for dynamo, node in zip(gm.graph.find_nodes(op="placeholder"), aten.graph.find_nodes(op="placeholder")):
@@ -75,6 +76,19 @@ def aten_graph(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModule
             if source is not None:  # reports name a parameter as the model does: `encoder.layer.0.weight`
                 node.meta["state_name"] = model_path(source)
     return aten, frozenset(constants)
+
+
+def _drop_unused_scalar_reads(gm: fx.GraphModule) -> None:
+    """Remove `.item()` reads nothing uses. A float module attribute Dynamo made dynamic (a Dropout's `p` that differed
+    between two models of one class) reaches the graph as a 0-d tensor read by `.item()`; where the ATen trace
+    specialized the value (dropout's `0 <= p <= 1` check), the read is left with no user. Fake tensors cannot run
+    it (its value is data), so every estimate that runs the graph on them (FLOPs, memory) would give up."""
+    dead = [n for n in gm.graph.nodes if n.op == "call_function" and not n.users
+            and n.target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)]
+    for node in dead:
+        gm.graph.erase_node(node)
+    if dead:
+        gm.recompile()
 
 
 def _where(node: fx.Node) -> str:
