@@ -146,8 +146,12 @@ def _checkpoint_runs(gm, save_counted):
 def test_batch_norm_in_every_region_kind(name, save_counted):
     """Regions holding train-mode BatchNorm (whole or selective) give eager's step: stats move once, same RNG."""
     model, x = _network(name)
-    captured = fxopt.optimize(model, (x,), mode="training", passes=[])
-    assert_same_steps(model, _checkpoint_runs(captured, save_counted), x)
+    example = x.clone().requires_grad_()  # as the steps call it: no recompile, which would drop the regions
+    captured = fxopt.optimize(copy.deepcopy(model), (example,), mode="training", passes=[])
+    regions = _checkpoint_runs(captured, save_counted)
+    assert not any("aten.add_" in r.body.code for r in _regions(regions))  # num_batches_tracked: in front of them
+    assert_same_steps(model, regions, x, in_place=True)  # a copy would compile afresh, without the regions
+    assert len(captured.fxopt_reports) == 1
 
 
 @pytest.mark.parametrize("name,budget", [(name, budget) for name in NETWORKS for budget in (0.5, 0.2)
@@ -177,8 +181,11 @@ def test_batch_norm_frozen_at_optimize_then_unfrozen(save_counted):
     """A BN in eval mode when regions were made, switched to train later, still updates its stats once a step."""
     model, x = _network("mobilenet_blocks")
     model.eval()
-    regions = _checkpoint_runs(fxopt.optimize(model, (x,), mode="training", passes=[]), save_counted)
-    assert_same_steps(model, regions, x)  # eval-mode BN inside regions: no statistics move
+    example = x.clone().requires_grad_()  # as the steps call it: no recompile, which would drop the regions
+    regions = _checkpoint_runs(fxopt.optimize(copy.deepcopy(model), (example,), mode="training", passes=[]),
+                               save_counted)
+    assert_same_steps(model, regions, x, in_place=True)  # eval-mode BN inside regions: no statistics move
+    assert len(regions.fxopt_reports) == 1
     opt = fxopt.optimize(copy.deepcopy(model), (x,), mode="training", memory_budget=0.2)
     compiled = len(opt.fxopt_reports)
     model.train(), opt.train()
