@@ -87,6 +87,7 @@ def switch_calls(optimized) -> list[str]:
 
 
 def captured_switch_calls(model, inputs, mode) -> list[str]:
+    """The switches of `model`'s graph as captured, before any pass."""
     return switch_calls(fxopt.optimize(model, inputs, mode=mode, passes=[]))
 
 
