@@ -9,6 +9,8 @@ Both come with `node.meta["val"]` for the example inputs.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch.fx as fx
 import torch.nn as nn
 
@@ -20,10 +22,11 @@ def exported_graph(model: nn.Module, inputs: tuple) -> fx.GraphModule:
     """`model`'s whole-model graph as fxopt.optimize captures it, with shapes of `inputs` (not symbolic),
     its parameter and buffer inputs turned into reads of `model`'s own tensors."""
     (captured,) = from_model(model, inputs).graphs
-    graph = fx.GraphModule(model, captured.gm.graph).graph  # owned by a module holding `model`'s tensors
+    graph = captured.gm.graph
     for node in list(graph.find_nodes(op="placeholder")):
         if node.name in captured.constant_inputs:
-            with graph.inserting_before(node):
+            with graph.inserting_before(node), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # its owner lacks `model`'s tensors: the module made below holds them
                 read = graph.get_attr(node.meta["state_name"])
             read.meta = dict(node.meta)
             node.replace_all_uses_with(read)

@@ -84,9 +84,10 @@ def _network(name):
 # ---- one step, with what must match ------------------------------------------------------------
 
 
-def _step(model, x, steps=2):
-    """`steps` forward + backward on a copy; outputs, gradients, buffers and the RNG state after."""
-    model = copy.deepcopy(model)
+def _step(model, x, steps=2, in_place=False):
+    """`steps` forward + backward on a copy (on `model` itself if `in_place`: a result keeps the graphs it
+    compiled); outputs, gradients, buffers and the RNG state after."""
+    model = model if in_place else copy.deepcopy(model)
     x = x.clone().requires_grad_()
     torch.manual_seed(1)
     for _ in range(steps):
@@ -98,9 +99,10 @@ def _step(model, x, steps=2):
     return result
 
 
-def assert_same_steps(original, optimized, x, steps=2):
-    """Two steps in a row match eager: outputs, gradients, buffers (num_batches_tracked included), RNG."""
-    ref, got = _step(original, x, steps), _step(optimized, x, steps)
+def assert_same_steps(original, optimized, x, steps=2, in_place=False):
+    """Two steps in a row match eager: outputs, gradients, buffers (num_batches_tracked included), RNG.
+    `in_place`: the optimized model's steps run on it, not on a copy (it must not share state with `original`)."""
+    ref, got = _step(original, x, steps), _step(optimized, x, steps, in_place)
     assert ref.keys() <= got.keys(), sorted(ref.keys() - got.keys())
     for name, expected in ref.items():
         if expected.is_floating_point():
@@ -144,8 +146,12 @@ def _checkpoint_runs(gm, save_counted):
 def test_batch_norm_in_every_region_kind(name, save_counted):
     """Regions holding train-mode BatchNorm (whole or selective) give eager's step: stats move once, same RNG."""
     model, x = _network(name)
-    captured = fxopt.optimize(model, (x,), mode="training", passes=[])
-    assert_same_steps(model, _checkpoint_runs(captured, save_counted), x)
+    example = x.clone().requires_grad_()  # as the steps call it: no recompile, which would drop the regions
+    captured = fxopt.optimize(copy.deepcopy(model), (example,), mode="training", passes=[])
+    regions = _checkpoint_runs(captured, save_counted)
+    assert not any("aten.add_" in r.body.code for r in _regions(regions))  # num_batches_tracked: in front of them
+    assert_same_steps(model, regions, x, in_place=True)  # a copy would compile afresh, without the regions
+    assert len(captured.fxopt_reports) == 1
 
 
 @pytest.mark.parametrize("name,budget", [(name, budget) for name in NETWORKS for budget in (0.5, 0.2)
@@ -175,21 +181,26 @@ def test_batch_norm_frozen_at_optimize_then_unfrozen(save_counted):
     """A BN in eval mode when regions were made, switched to train later, still updates its stats once a step."""
     model, x = _network("mobilenet_blocks")
     model.eval()
-    regions = _checkpoint_runs(fxopt.optimize(model, (x,), mode="training", passes=[]), save_counted)
-    assert_same_steps(model, regions, x)  # eval-mode BN inside regions: no statistics move
-    opt = fxopt.optimize(model, (x,), mode="training", memory_budget=0.2)
+    example = x.clone().requires_grad_()  # as the steps call it: no recompile, which would drop the regions
+    regions = _checkpoint_runs(fxopt.optimize(copy.deepcopy(model), (example,), mode="training", passes=[]),
+                               save_counted)
+    assert_same_steps(model, regions, x, in_place=True)  # eval-mode BN inside regions: no statistics move
+    assert len(regions.fxopt_reports) == 1
+    opt = fxopt.optimize(copy.deepcopy(model), (x,), mode="training", memory_budget=0.2)
+    compiled = len(opt.fxopt_reports)
     model.train(), opt.train()
-    with pytest.warns(UserWarning, match="no longer holds"):  # a graph baked eval: fxopt re-optimizes
-        assert_same_steps(model, opt, x)
+    assert_same_steps(model, opt, x, in_place=True)  # a graph baked eval: Dynamo's guards compile the train-mode one
+    assert len(opt.fxopt_reports) > compiled
 
 
 def test_budgeted_model_switched_to_eval():
     """A result budgeted in train mode, then eval() (input gradients, or a frozen BN phase): backward matches eager."""
     model, x = _network("conv_bn_relu_dropout")
-    opt = fxopt.optimize(model, (x,), mode="training", memory_budget=0.2)
+    opt = fxopt.optimize(copy.deepcopy(model), (x,), mode="training", memory_budget=0.2)
+    compiled = len(opt.fxopt_reports)
     model.eval(), opt.eval()
-    with pytest.warns(UserWarning, match="no longer holds"):
-        assert_same_steps(model, opt, x)
+    assert_same_steps(model, opt, x, in_place=True)  # Dynamo's guards compile the eval-mode graph
+    assert len(opt.fxopt_reports) > compiled
 
 
 def test_report_checkpoints_batch_norm():

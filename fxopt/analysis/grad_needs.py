@@ -34,7 +34,7 @@ import torch.fx as fx
 from .. import _torch_private
 from ..graph_functions import declared
 from .aliasing import AliasInfo
-from .ops import region_of
+from .ops import constant_placeholders, region_of
 from .saved_tensors import SavedForBackward
 from .side_effects import MUTATION, OPAQUE, effects
 
@@ -153,7 +153,9 @@ def _grad_live(differentiated: Collection[fx.Node], opaque: list[fx.Node], write
 
 def analyze_grad_needs(gm: fx.GraphModule, differentiated: Collection[fx.Node],
                        constant_inputs: frozenset[str] = frozenset()) -> GradNeeds:
-    """What needs a gradient when only `differentiated` output values are differentiated (module docstring)."""
+    """What needs a gradient when only `differentiated` output values are differentiated (module docstring);
+    `constant_inputs` adds to the placeholders capture marked as parameters or buffers."""
+    constant_inputs = frozenset(constant_inputs) | constant_placeholders(gm)
     kinds = {n: effects(n, gm) for n in gm.graph.nodes if n.op in _CALLS}
     writers = [n for n, k in kinds.items() if MUTATION in k]
     aliases = AliasInfo(gm) if writers else None

@@ -62,7 +62,7 @@ from .grad_needs import analyze_grad_needs
 from .kept_outputs import kept_output
 from .op_times import node_seconds, replay_key
 from .region_overhead import RegionOverhead, region_overhead
-from .ops import match_batch_norm, match_conv, resolve
+from .ops import match_batch_norm, match_conv, state_input
 from .saved_tensors import RUNTIME_KERNEL_OPS, measurement, saved_bytes, saved_copies, saved_for_backward, tensor_bytes
 from .shapes import tensor_meta
 
@@ -639,7 +639,8 @@ def _parameter_gradient_bytes(node: fx.Node, gm: fx.GraphModule, trainable: froz
         params = [p for name, p in gm.get_submodule(node.target).named_parameters()
                   if f"{node.target}.{name}" in trainable]
     else:
-        params = [resolve(a, gm) for a in node.all_input_nodes if a.op == "get_attr" and a.target in trainable]
+        params = [state[1] for a in node.all_input_nodes
+                  if (state := state_input(a, gm)) is not None and state[0] in trainable]
     return sum(t.numel() * t.element_size() for t in params)
 
 
@@ -649,11 +650,12 @@ def _waiting_parameter_gradient_bytes(gm: fx.GraphModule, position: dict, traina
     before it accumulates them into `.grad`: the one the last reader's backward makes lives until the first
     reader's backward (HF BART, 3+3 layers 256 wide: a 51.5 MB embedding gradient through the encoder's backward)."""
     waiting = [0] * len(position)
-    for node in gm.graph.find_nodes(op="get_attr"):
+    for node in gm.graph.nodes:  # a parameter read as an attribute, or a graph input (TorchDynamo's form)
+        state = state_input(node, gm) if node.op in ("get_attr", "placeholder") else None
         readers = sorted({position[u] for u in node.users if u in position})
-        if node.target not in trainable or len(readers) < 2:
+        if state is None or state[0] not in trainable or len(readers) < 2:
             continue
-        value = resolve(node, gm)
+        value = state[1]
         for q in range(readers[0], readers[-1]):  # the last reader's own backward counts it already
             waiting[q] += value.numel() * value.element_size()
     return waiting

@@ -182,6 +182,22 @@ def resolve(ref: fx.Node | None, gm: fx.GraphModule) -> torch.Tensor | None:
     return getattr(gm.get_submodule(owner), name)
 
 
+def constant_placeholders(gm: fx.GraphModule) -> frozenset[str]:
+    """Names of the placeholders holding a parameter or buffer, as capture marks them (`constant_input`)."""
+    return frozenset(n.name for n in gm.graph.find_nodes(op="placeholder") if n.meta.get("constant_input"))
+
+
+def state_input(ref: fx.Node, gm: fx.GraphModule) -> tuple[str, torch.Tensor] | None:
+    """(the model's name for it, its tensor or example value) of a node reading a parameter or buffer: a get_attr,
+    or a placeholder capture marked as one (`constant_input`, named by its `state_name`); None for any other node."""
+    if ref.op == "get_attr":
+        value = resolve(ref, gm)
+        return (ref.target, value) if isinstance(value, torch.Tensor) else None
+    if ref.op == "placeholder" and ref.meta.get("constant_input") and isinstance(ref.meta.get("val"), torch.Tensor):
+        return ref.meta.get("state_name", ref.name), ref.meta["val"]
+    return None
+
+
 def is_constant(ref: fx.Node | None, constant_inputs: frozenset[str]) -> bool:
     """True for parameters and buffers: get_attr nodes, or parameter placeholders (and an absent tensor)."""
     if ref is None:

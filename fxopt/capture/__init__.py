@@ -60,11 +60,13 @@ def aten_graph(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModule
     except Exception as e:  # noqa: BLE001 - an op or a value the ATen trace cannot follow: run as captured
         first_line = (str(e).strip().splitlines() or [""])[0]
         raise NotTraceable(f"fxopt's ATen trace of it failed: {type(e).__name__}: {first_line}") from e
+    _drop_unused_scalar_reads(aten)
     dynamo_constants = _torch_private.dynamo_parameter_placeholders(gm, example_inputs)
     constants = set()
     for dynamo, node in zip(gm.graph.find_nodes(op="placeholder"), aten.graph.find_nodes(op="placeholder")):
         if dynamo.name in dynamo_constants:
             constants.add(node.name)
+            node.meta["constant_input"] = True  # analyses run on the graph alone know its state (analysis.ops)
             source = _torch_private.dynamo_input_source(dynamo)
             if source is not None:  # reports name a parameter as the model does: `encoder.layer.0.weight`
                 node.meta["state_name"] = model_path(source)
@@ -77,6 +79,19 @@ def _keep_autograd_functions_whole(target, args: tuple, kwargs: dict):
         return NotImplemented
     fwd, bwd, *call_args = args
     return as_one_op(target, fwd, bwd, tuple(call_args), kwargs)
+
+
+def _drop_unused_scalar_reads(gm: fx.GraphModule) -> None:
+    """Remove `.item()` reads nothing uses. A float module attribute Dynamo made dynamic (a Dropout's `p` that differed
+    between two models of one class) reaches the graph as a 0-d tensor read by `.item()`; where the ATen trace
+    specialized the value (dropout's `0 <= p <= 1` check), the read is left with no user. Fake tensors cannot run
+    it (its value is data), so every estimate that runs the graph on them (FLOPs, memory) would give up."""
+    dead = [n for n in gm.graph.nodes if n.op == "call_function" and not n.users
+            and n.target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)]
+    for node in dead:
+        gm.graph.erase_node(node)
+    if dead:
+        gm.recompile()
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Capture:

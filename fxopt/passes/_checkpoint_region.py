@@ -177,9 +177,12 @@ def _kept_output_call(body: fx.Graph, node: fx.Node, how: ConvolutionCall | Prod
 
 def is_lone_state_update(node: fx.Node) -> bool:
     """An in-place update of buffers nothing else in the graph touches, read by nobody
-    (`aten.add_(num_batches_tracked, 1)` in an exported graph): it may run before the region around it."""
+    (`aten.add_(num_batches_tracked, 1)`; the buffer a get_attr, or a graph input capture marked as state, as
+    TorchDynamo passes it): it may run before the region around it. (Left inside, the region would take the buffer
+    as an input and write it: checkpoint checks its saved inputs' versions at recomputation, and fails.)"""
     return (node.op == "call_function" and not node.users and bool(node.all_input_nodes)
-            and all(a.op == "get_attr" and set(a.users) == {node} for a in node.all_input_nodes))
+            and all((a.op == "get_attr" or (a.op == "placeholder" and a.meta.get("constant_input")))
+                    and set(a.users) == {node} for a in node.all_input_nodes))
 
 
 def inputs_of_graph(graph: fx.Graph, nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import torch
 import torch.fx as fx
