@@ -104,7 +104,7 @@ def test_selective_region_holds_its_dropout_masks_to_the_end(bounds):
 
 
 def small_bloom() -> torch.nn.Module:
-    """HF BLOOM, whose training GELU is a custom autograd Function (fxopt.capture.autograd_functions): it keeps its
+    """HF BLOOM, whose training GELU is a custom autograd Function (kept as one op, fxopt.capture.autograd_functions): it keeps its
     input alone and its backward makes four input-sized temporaries."""
     torch.manual_seed(0)
     config = transformers.BloomConfig(vocab_size=100, hidden_size=64, n_layer=3, n_head=4)
@@ -114,8 +114,6 @@ def small_bloom() -> torch.nn.Module:
 TOKENS = (torch.randint(0, 100, (4, 64)),)
 
 
-@pytest.mark.skip(reason="a custom autograd.Function makes its TorchDynamo graph NotTraceable: BLOOM's graph runs "
-                         "unoptimized (no checkpoint_activations) until Functions are kept as opaque ops of the ATen graph")
 @pytest.mark.parametrize("budget", [0.8, 0.6])
 def test_predicted_peak_within_ten_percent_with_a_custom_autograd_function(budget):
     """Before and after checkpointing a model whose GELU is a user's autograd Function, the estimated step peak is

@@ -189,9 +189,6 @@ def test_dead_code_elimination_removes_a_pure_unused_block():
     assert_same_step(model, optimized, x, training=True)
 
 
-@pytest.mark.xfail(strict=True, reason="prune_dead_grads refuses differentiable_outputs on every TorchDynamo graph "
-                                      "(not_model_outputs: it cannot tell a graph's outputs are the model's), so the "
-                                      "aux output still requires grad")
 def test_prune_runs_an_autocast_block_outside_the_loss_without_grad():
     """An autocast block feeding only an undeclared output runs without grad, still in bfloat16, as eager computes it."""
 

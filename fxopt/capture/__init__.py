@@ -78,7 +78,7 @@ def _keep_autograd_functions_whole(target, args: tuple, kwargs: dict):
     if not is_autograd_function_call(target):
         return NotImplemented
     fwd, bwd, *call_args = args
-    return as_one_op(target, fwd, bwd, tuple(call_args), kwargs)
+    return as_one_op(fwd, bwd, tuple(call_args), kwargs)
 
 
 def _drop_unused_scalar_reads(gm: fx.GraphModule) -> None:
