@@ -3,7 +3,9 @@
 The model is a tiny BertForSequenceClassification from a config (SDPA attention, dropout 0.1), fed batches
 padded to their own longest (examples/tiny_text_task.py). Every loss is compared with the same loop run on the
 plain model from the same seeds: fxopt's eager lowering draws dropout's numbers as eager does, so they are equal.
-The examples of docs/training-loops.md are run here.
+The examples of docs/training-loops.md are run here. A Trainer run takes 4-8 s on 2 cores (fxopt compiles three
+graphs: the example's length, every other length, and evaluation); the two tests that run more than one, with a
+memory budget, took 10-16 s and are marked slow.
 """
 from __future__ import annotations
 
@@ -168,7 +170,6 @@ def compiled_in_place():
     return model
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("make_model", [
     pytest.param(lambda: trainer_example.optimized_bert(memory_budget=None), id="optimize"),
     pytest.param(compiled_in_place, id="model.compile-backend-fxopt"),
@@ -183,22 +184,27 @@ def test_trainer_matches_eager(make_model, eager_trainer_run, tmp_path):
     check_checkpoints(trainer, tmp_path)
 
 
+class StopAfterFirstEpoch(transformers.TrainerCallback):
+    def on_epoch_end(self, args, state, control, **kwargs):
+        control.should_training_stop = True
+
+
 @pytest.mark.slow
 def test_trainer_resumes_from_a_checkpoint(eager_trainer_run, tmp_path, budget_may_be_unmet):
     """A run stopped after one epoch resumes from its checkpoint into a fresh result and ends with eager's losses."""
-    first = trainer_example.trainer_for(trainer_example.optimized_bert(), str(tmp_path), epochs=1)
+    first = trainer_example.trainer_for(trainer_example.optimized_bert(), str(tmp_path))
+    first.add_callback(StopAfterFirstEpoch())  # the same two-epoch schedule, stopped (checkpoint saved) after one
     first.train()
     assert step_losses(first) == eager_trainer_run["steps"][:4]
     resumed = trainer_example.trainer_for(trainer_example.optimized_bert(), str(tmp_path), epochs=2)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
-    assert step_losses(resumed) == eager_trainer_run["steps"][4:]
+    assert step_losses(resumed) == eager_trainer_run["steps"]  # the first epoch's from the checkpoint's log history
     assert resumed.evaluate()["eval_loss"] == eager_trainer_run["final"]
 
 
 # ---- Accelerate and a plain loop --------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 def test_accelerate_example_matches_eager(mixed_precision, budget_may_be_unmet):
     """examples/accelerate_loop.py: prepare + backward on the result give eager's losses, in fp32 and CPU bf16."""
@@ -210,7 +216,6 @@ def test_accelerate_example_matches_eager(mixed_precision, budget_may_be_unmet):
     assert accelerate_example.main(mixed_precision) == eager
 
 
-@pytest.mark.slow
 def test_plain_loop_example_matches_eager(tmp_path, budget_may_be_unmet):
     """examples/plain_loop.py: eager's losses, and the saved model loads into the plain class."""
     eager = plain_example.train(seeded_bert())
