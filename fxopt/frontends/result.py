@@ -191,5 +191,5 @@ def _forward_with_signature_of(original: torch.nn.Module):
     own = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
     forward.__signature__ = signature.replace(parameters=[own, *signature.parameters.values()])
     forward.__doc__ = getattr(original.forward, "__doc__", None)
-    forward.__qualname__ = f"OptimizedModule.forward"
+    forward.__qualname__ = "OptimizedModule.forward"
     return forward
