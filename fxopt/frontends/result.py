@@ -17,8 +17,19 @@ does not guard: folded weights are recomputed from the current parameters inside
 
 Under `torch.compile` or `torch.export` of the result itself, the original model is what gets
 traced: fxopt's graphs are made for eager calls, and the outer compiler optimizes on its own.
+
+Training loops that read the model's class and signature (Hugging Face `Trainer`, `accelerate`) see the
+model's: `inspect.signature(result.forward)` is the model's `forward` signature (Trainer keeps the dataset
+columns it names and finds `labels` in it), and `result.__class__` is the model's class, as a
+`unittest.mock` spec makes it, so `isinstance(result, PreTrainedModel)` holds and Trainer saves
+checkpoints with the model's own `save_pretrained` (a plain `from_pretrained` loads them).
+`type(result)` is still `OptimizedModule`. Attributes the result does not have (`config`,
+`main_input_name`, `save_pretrained`, `_keys_to_ignore_on_save`, ...) are the model's.
 """
 from __future__ import annotations
+
+import inspect
+import types
 
 import torch
 
@@ -39,6 +50,9 @@ class OptimizedModule(torch.nn.Module):
                  _non_persistent_buffers_set=original._non_persistent_buffers_set)
         d["_backend"] = backend
         d["_compiled"] = _torch_private.compile_on_its_own(original, backend)
+        forward = _forward_with_signature_of(original)
+        if forward is not None:  # an instance attribute: what `inspect.signature(result.forward)` reads
+            d["forward"] = types.MethodType(forward, self)
 
     def forward(self, *args, **kwargs):
         if _torch_private.is_compiling():  # an outer torch.compile / torch.export traces the model itself
@@ -86,6 +100,17 @@ class OptimizedModule(torch.nn.Module):
         return self._backend.inputs_of(len(self._backend.graph_modules) - 1) if self._backend.graph_modules else None
 
     # ---- behaving like the model ---------------------------------------------------------------
+
+    @property
+    def __class__(self):
+        """The model's class: `isinstance(result, type(model))` holds, and what a training loop reads from the
+        class (Trainer: the labels named in `forward`'s signature; `isinstance(model, PreTrainedModel)` to save
+        with `save_pretrained`) is the model's. `type(result)` is OptimizedModule."""
+        original = self.__dict__.get("original")
+        return type(original) if original is not None else type(self)
+
+    def _get_name(self) -> str:  # the repr says what this is, whatever `__class__` says
+        return type(self).__name__
 
     def _get_training(self) -> bool:
         original = self.__dict__.get("original")
@@ -147,5 +172,33 @@ class OptimizedModule(torch.nn.Module):
     def __setstate__(self, state):
         self.__init__(state["original"], FxoptBackend.from_options(state["options"]))
 
+    def __reduce_ex__(self, protocol):
+        """Rebuilt from `__getstate__` by OptimizedModule itself: pickle's default would take `__class__` (the model's)."""
+        return _rebuild, (self.__getstate__(),)
+
     def extra_repr(self) -> str:
         return f"{type(self.original).__name__}, {len(self._backend.reports)} graph(s) compiled"
+
+
+def _rebuild(state: dict) -> OptimizedModule:
+    result = OptimizedModule.__new__(OptimizedModule)
+    result.__setstate__(state)
+    return result
+
+
+def _forward_with_signature_of(original: torch.nn.Module):
+    """A function calling `OptimizedModule.forward` whose signature is the model's `forward` (plus `self`), or None
+    where the model's has none Python can read."""
+    try:
+        signature = inspect.signature(original.forward)
+    except (TypeError, ValueError):
+        return None
+
+    def forward(self, *args, **kwargs):
+        return OptimizedModule.forward(self, *args, **kwargs)
+
+    own = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    forward.__signature__ = signature.replace(parameters=[own, *signature.parameters.values()])
+    forward.__doc__ = getattr(original.forward, "__doc__", None)
+    forward.__qualname__ = "OptimizedModule.forward"
+    return forward
