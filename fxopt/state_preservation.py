@@ -67,8 +67,9 @@ def _saved(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _has_data(t: torch.Tensor) -> bool:
     """False for a lazy parameter, and for a tensor whose storage was freed (FSDP2 resizes the storage
-    of an unsharded parameter to 0 between uses): there is no value to save, and reading one crashes."""
-    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+    of an unsharded parameter to 0 between uses), and for a fake tensor (a compiler's stand-in: DDP's
+    optimizer hands a backend fakes): there is no value to save, and reading one crashes."""
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin) or _torch_private.is_fake(t):
         return False
     return t.numel() == 0 or t.is_meta or _torch_private.has_storage_bytes(t)
 
