@@ -100,6 +100,7 @@ def test_such_a_region_would_break_backward(shape, save_counted):
         assert_same_step(model, gm, (x,), training=True)
 
 
+@pytest.mark.filterwarnings("ignore:fxopt. the predicted step peak rests on")  # an in-place write the memory model guesses
 @pytest.mark.parametrize("budget", [0.5, 0.1])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_pass_gives_eager_step_and_names_the_boundary(shape, budget):
@@ -161,6 +162,7 @@ instructions = st.tuples(st.sampled_from(OPS + WRITES), st.integers(1, 30), st.i
 # found by this test with the rule switched off: a region keeping value 1 (written by add_ and a slice's mul_)
 @example(program=[("linear", 1, 0), ("linear", 1, 0), ("linear", 1, 0), ("tanh", 1, 0), ("add_", 1, 0),
                   ("tanh", 1, 0), ("linear", 17, 0), ("add_", 1, 0), ("mul_view", 1, 0)], budget=0.6)
+@pytest.mark.filterwarnings("ignore:fxopt. the predicted step peak rests on")  # an in-place write the memory model guesses
 @given(program=st.lists(instructions, min_size=6, max_size=16), budget=st.sampled_from([0.6, 0.3, 0.1]))
 def test_generated_networks_with_writes_after_regions(program, budget):
     """Random networks writing in place into earlier tensors (region outputs, inputs, views): eager's step."""

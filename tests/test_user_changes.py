@@ -85,7 +85,8 @@ def test_python_side_effects_in_forward_happen_on_every_call():
             return self.lin(x)
 
     model = Chatty()
-    fxopt.optimize(model, torch.randn(2, 3), mode="training")
+    with pytest.warns(UserWarning, match="forward ran"):  # the example call runs the forward too
+        fxopt.optimize(model, torch.randn(2, 3), mode="training")
     assert model.history == []  # the example call put back what it changed on the model
     log.clear()
     fast = fxopt.optimize(model, mode="training")  # no example: nothing runs before the user's calls

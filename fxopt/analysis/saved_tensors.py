@@ -200,6 +200,10 @@ def _rule(node: fx.Node) -> _Rule | None:
     helper = declared(node.target) if node.op == "call_function" else None
     if helper is not None and helper.saves is not None:
         return _Rule(extra=helper.saves)
+    if helper is not None and helper.runs_without_grad is not None:
+        return _KEEPS_NOTHING  # it runs under no_grad: autograd records nothing
+    if helper is not None and not helper.opaque and helper.name is None:
+        return _Rule(inputs=ALL)  # fxopt's own arithmetic (a fold's weights from the parameters): at most its inputs
     name = op_name(node)
     if name == "pad" and _constant_pad(node):
         return _KEEPS_NOTHING
