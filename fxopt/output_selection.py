@@ -15,6 +15,11 @@ class OutputPlaces:
     entries: tuple[tuple[Hashable, tuple[int, ...]], ...]
     graph_outputs: int
 
+    def entries_of(self, graph_outputs: int) -> dict[Hashable, tuple[int, ...]] | None:
+        """The entries for a graph returning `graph_outputs` outputs (a recompile of the same frame), or None
+        for a graph these places were not found on."""
+        return dict(self.entries) if graph_outputs == self.graph_outputs else None
+
 
 def parse_differentiable_outputs(value) -> tuple | None:
     """None, or a tuple of output indices (ints) or of dict keys (strs); anything else is an FxoptError."""

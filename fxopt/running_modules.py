@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
+
+from .state_preservation import preserved_state
 
 
 @contextlib.contextmanager
@@ -31,3 +34,28 @@ def running_modules(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.nn
     finally:
         for h in handles:
             h.remove()
+
+
+@dataclasses.dataclass
+class Rejection:
+    """What failed when a model rejected a call: the innermost running module ("" and the model itself when its
+    own forward raised), the inputs it was given, and the error."""
+
+    path: str
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    error: BaseException
+
+
+def rejection(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Rejection | None:
+    """Run `model(*args, **kwargs)` once, uncompiled, leaving no trace on it or its inputs; None if it runs, else
+    what rejected the call (a `sys.exit` in the model's code included)."""
+    kwargs = dict(kwargs or {})
+    try:
+        with running_modules(model) as running, preserved_state(model, (args, kwargs)):
+            model(*args, **kwargs)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's model rejected the call
+        path, module, call_args, call_kwargs = running[-1] if running else ("", model, args, kwargs)
+        return Rejection(path, module, tuple(call_args), dict(call_kwargs), e)
+    return None

@@ -15,7 +15,7 @@ from ..passes import PASSES
 from ..passes.base import INFERENCE
 from ..pipeline.instruments import Instrument
 from ..pipeline.pipelines import build_pipeline, resolve_mode
-from ..running_modules import running_modules
+from ..running_modules import rejection
 from ..state_preservation import preserved_state
 from ..tree import tensors_in
 from .backend import FxoptBackend
@@ -127,19 +127,17 @@ def _compile_on_example(result: OptimizedModule, args: tuple, kwargs: dict, mode
 
 def _rejection(model: torch.nn.Module, args: tuple, kwargs: dict) -> FxoptError | None:
     """Why `model` itself (uncompiled) rejects the call, naming the innermost module that failed and the
-    inputs it was given (`fxopt.running_modules`); None if it runs."""
-    try:
-        with running_modules(model) as running, preserved_state(model, (args, kwargs)):
-            model(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the user's model rejected the inputs
-        path, module, call_args, call_kwargs = running[-1] if running else ("", model, args, kwargs)
-        where = f"module {path!r} ({type(module).__name__})" if path else f"the model ({type(module).__name__})"
-        error = FxoptError(f"{type(model).__name__} rejected the example inputs [{_described([*args, *kwargs.values()])}]: "
-                           f"{where} failed on inputs [{_described([*call_args, *call_kwargs.values()])}]: "
-                           f"{type(e).__name__}: {e}")
-        error.__cause__ = e
-        return error
-    return None
+    inputs it was given (`fxopt.running_modules.rejection`); None if it runs."""
+    failed = rejection(model, args, kwargs)
+    if failed is None:
+        return None
+    kind = type(failed.module).__name__
+    where = f"module {failed.path!r} ({kind})" if failed.path else f"the model ({kind})"
+    error = FxoptError(f"{type(model).__name__} rejected the example inputs [{_described([*args, *kwargs.values()])}]: "
+                       f"{where} failed on inputs [{_described([*failed.args, *failed.kwargs.values()])}]: "
+                       f"{type(failed.error).__name__}: {failed.error}")
+    error.__cause__ = failed.error
+    return error
 
 
 def _described(values: list) -> str:

@@ -230,10 +230,9 @@ def _differentiated_positions(aten: fx.GraphModule, options: BackendOptions) -> 
     """The graph outputs a loss reads where `differentiable_outputs` names them (fxopt.optimize found where the
     model's outputs are), for the verifier to differentiate only those; None: all."""
     places, selection = options.output_places, parse_differentiable_outputs(options.differentiable_outputs)
-    returned = aten.graph.find_nodes(op="output")[0].args[0]
-    if places is None or selection is None or places.graph_outputs != len(returned):
+    entries = places.entries_of(len(aten.graph.find_nodes(op="output")[0].args[0])) if places is not None else None
+    if entries is None or selection is None:
         return None
-    entries = dict(places.entries)
     return sorted(p for key in chosen_outputs(entries, selection) for p in entries[key])
 
 

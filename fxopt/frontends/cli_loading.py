@@ -21,8 +21,7 @@ import sys
 
 import torch
 
-from ..running_modules import running_modules
-from ..state_preservation import preserved_state
+from ..running_modules import rejection
 from ..errors import FxoptError
 from .cli_args import DEFAULT_INT_HIGH, DTYPE_NAMES
 
@@ -205,17 +204,14 @@ def _hint(inputs: tuple, layer, args: tuple, error: BaseException, message: str,
 
 def check_model_accepts(model: torch.nn.Module, inputs: tuple, int_high: int = DEFAULT_INT_HIGH) -> None:
     """Run `model(*inputs)` once (state restored); on failure name the innermost layer running
-    (`fxopt.running_modules`) and what to change (`_hint`)."""
-    try:
-        with running_modules(model) as running, preserved_state(model):
-            model(*inputs)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's model rejected the inputs
+    (`fxopt.running_modules.rejection`) and what to change (`_hint`)."""
+    failed = rejection(model, inputs)
+    if failed is not None:
+        e = failed.error
         message = f"the model rejects inputs {describe_inputs(inputs)}"
-        layer, args = None, ()
-        if running:
-            path, layer, args, _ = running[-1]
-            where = f"layer {path!r}" if path else "the model's own forward"
-            message += f": {where} ({type(layer).__name__}) called with {_describe_shapes(args)}"
+        layer, args = failed.module, failed.args
+        where = f"layer {failed.path!r}" if failed.path else "the model's own forward"
+        message += f": {where} ({type(layer).__name__}) called with {_describe_shapes(args)}"
         first_line = (str(e).strip().splitlines() or [""])[0]
         if isinstance(e, SystemExit):
             first_line = f"sys.exit({e.code!r}) was called"

@@ -89,9 +89,9 @@ def output_entries(gm: fx.GraphModule, ctx: PassContext | None = None) -> dict[H
     (`ctx.output_places`, a Dynamo graph that returns the whole model's outputs), else from the graph's
     own output structure, else the positions themselves."""
     flat = _flat_outputs(gm)
-    places = ctx.output_places if ctx is not None else None
-    if places is not None and places.graph_outputs == len(flat):
-        return dict(places.entries)
+    found = ctx.output_places.entries_of(len(flat)) if ctx is not None and ctx.output_places is not None else None
+    if found is not None:
+        return found
     structure = _torch_private.output_structure(gm)
     if structure is None:
         return {i: (i,) for i in range(len(flat))}
@@ -161,7 +161,7 @@ class PruneDeadGrads(Pass):
         if selection is None:
             return set(entries)
         places = ctx.output_places
-        whole_model = ctx.graph_path == "" or (places is not None and places.graph_outputs == len(_flat_outputs(gm)))
+        whole_model = ctx.graph_path == "" or (places is not None and places.entries_of(len(_flat_outputs(gm))) is not None)
         if not whole_model:  # a submodule's graph, or a Dynamo graph not known to return the model's outputs
             where = f"graph {ctx.graph_path!r}" if ctx.graph_path else "a graph of unknown place"
             result.record("refused", "output", "not_model_outputs",
