@@ -14,7 +14,7 @@ import transformers
 import fxopt
 from equivalence import assert_same_step, assert_state_unchanged, state_snapshot
 from fxopt.capture import capture
-from fxopt.capture.naming import module_path
+from fxopt.capture.naming import model_path, module_path
 
 IMAGE = (torch.randn(2, 3, 32, 32),)
 TOKENS = (torch.randint(0, 100, (2, 8)),)
@@ -134,6 +134,18 @@ def test_sites_are_named_by_module_path():
     optimized = fxopt.optimize(model, TOKENS, passes=[])
     paths = {module_path(n) for n in optimized.graph_module.graph.nodes if n.op == "call_function"}
     assert {"encoder.layer.1.attention.self.query", "encoder.layer.0.output.LayerNorm", "pooler.dense"} <= paths
+
+
+@pytest.mark.parametrize("source, path", [
+    ("L['self']._modules['head']._parameters['bias']", "head.bias"),
+    ("L['self'].encoder.layer[3]", "encoder.layer.3"),
+    # Swin's blocks are read past Module.__getattr__ once its forward has written attributes on them
+    ("L['self']._modules['layers']._modules['1'].__dict__['_modules']['norm']._parameters['weight']", "layers.1.norm.weight"),
+    ("encoder.layer.0", "encoder.layer.0"),
+])
+def test_dynamo_sources_become_model_paths(source, path):
+    """Every form of source Dynamo writes for a module or parameter names it by its path in the model."""
+    assert model_path(source) == path
 
 
 def test_other_sequence_length_and_batch():

@@ -13,7 +13,10 @@ import re
 import torch.fx as fx
 
 _DYNAMO_ROOT = re.compile(r"^L\['[^']+'\]")  # the frame's local the model came from: `L['self']`, `L['fn']`
-_DYNAMO_STEP = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\[(\d+)\]|\['([^']+)'\]")
+_DYNAMO_STEP = re.compile(
+    r"\.__dict__\['_(?:modules|parameters|buffers)'\]\['([^']+)'\]"  # a module read past its __getattr__ (Swin)
+    r"|\._(?:modules|parameters|buffers)\['([^']+)'\]|\[(\d+)\]|\['([^']+)'\]"
+)
 
 _EXPORT_PLACEHOLDER_ENTRY = "_empty_nn_module_stack"  # export's entry for nodes it made outside any module
 
