@@ -72,11 +72,9 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import _torch_private
-from ..analysis.dropout_replay import replayed_dropout_p
 from ..analysis.memory import Region, StepProfile, estimate, step_profile
 from ..analysis.partition_memory import partition_peak
 from ..analysis.shapes import propagate_shapes
-from ..analysis.side_effects import RNG, effects
 from ..collector import collector_paused
 from ..errors import FxoptError
 from ..model_copy import graph_module_copy
@@ -136,8 +134,7 @@ def plan_candidates(gm: fx.GraphModule, example_inputs: list) -> list[Candidate]
         return []
     for p, node in enumerate(_call_steps(gm)):
         node.meta["custom"] = {**node.meta.get("custom", {}), STEP_KEY: p}
-    checkpointable = [not refusal(s.node, copy) and (RNG not in effects(s.node, copy) or replayed_dropout_p(s.node))
-                      for s in profile.steps]
+    checkpointable = [not refusal(s.node, copy) for s in profile.steps]  # a step that draws too: see `_tag`
     peak = estimate(profile).peak
     with collector_paused():  # the planner makes hundreds of thousands of small tuples, no cycles
         plans = [(f"planner at {f}x peak", plan_regions(profile, f * peak, checkpointable)) for f in LADDER]
