@@ -5,6 +5,8 @@ graph for a model whose `forward` it follows to the end, several where the code 
 `aten_graph` traces such a graph to ATen ops (pre-dispatch: autograd still sees every op, so the graph
 runs under eager autograd as the model's own ops would), keeping each op's module path and source line,
 and Dynamo's symbolic sizes. Parameters and buffers are graph inputs (`constant_inputs` names them).
+Attention masks a library builds only because it is being traced, and eager skips, are dropped
+(`attention_masks.py`): the graph calls attention as eager does.
 
 `capture(model, args, kwargs)` runs that for one call without optimizing anything, leaving no trace on
 the model: the graphs a test, the command line or a benchmark looks at alone.
@@ -19,6 +21,7 @@ import torch.fx as fx
 from .. import _torch_private
 from ..errors import FxoptError
 from ..state_preservation import preserved_state
+from .attention_masks import drop_constant_masks
 from .autograd_functions import as_one_op, is_autograd_function_call
 from .naming import model_path
 
@@ -61,6 +64,7 @@ def aten_graph(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModule
         first_line = (str(e).strip().splitlines() or [""])[0]
         raise NotTraceable(f"fxopt's ATen trace of it failed: {type(e).__name__}: {first_line}") from e
     _drop_unused_scalar_reads(aten)
+    drop_constant_masks(aten)  # eager's attention: no mask where Dynamo built an all-True or causal one
     dynamo_constants = _torch_private.dynamo_parameter_placeholders(gm, example_inputs)
     constants = set()
     for dynamo, node in zip(gm.graph.find_nodes(op="placeholder"), aten.graph.find_nodes(op="placeholder")):
