@@ -129,6 +129,28 @@ def test_result_still_pickles_and_copies_as_a_result():
         assert other.original is not result.original
 
 
+class EngineMixin:
+    """What FSDP2's `fully_shard` mixes into a module's class (`FSDPModule`: methods of its own)."""
+
+    def engine_method(self):
+        return "engine"
+
+
+def test_an_engine_reclassing_the_result_in_place_keeps_it_optimized():
+    """An engine re-classing the result in place as FSDP2 does (`type("FSDP" + name, (mixin, result.__class__))`)
+    gives it the mixin's methods, keeps its compiled forward and still passes isinstance of the model's class."""
+    model = seeded_bert()
+    result = fxopt.optimize(model, mode="training")
+    cls = result.__class__
+    result.__class__ = type(f"Engine{cls.__name__}", (EngineMixin, cls), {})
+    assert isinstance(result, (EngineMixin, OptimizedModule, transformers.BertForSequenceClassification))
+    assert result.engine_method() == "engine"
+    ids = torch.randint(0, 100, (2, 8))
+    torch.manual_seed(0)
+    result(ids, labels=torch.tensor([0, 1])).loss.backward()
+    assert len(result.fxopt_reports) == 1  # the compiled forward ran, not the model's own
+
+
 def test_trainer_does_not_unwrap_a_torch_compiled_model(tmp_path):
     """Trainer reads columns and labels from `torch.compile(model)` itself, whose forward names none
     (docs/training-loops.md says so and recommends `model.compile(...)` or fxopt.optimize instead)."""

@@ -109,6 +109,16 @@ class OptimizedModule(torch.nn.Module):
         original = self.__dict__.get("original")
         return type(original) if original is not None else type(self)
 
+    @__class__.setter
+    def __class__(self, cls: type) -> None:
+        """An engine that re-classes a module in place (FSDP2's `fully_shard` makes it `FSDP<class>`, its mixin
+        before the class it read) re-classes the result with the same mixins before OptimizedModule, so the
+        result keeps its compiled `forward` and gains the engine's methods (`unshard`, `reshard`)."""
+        model_class = type(self.__dict__["original"])
+        if cls is not model_class and issubclass(cls, model_class) and model_class in cls.__bases__:
+            cls = _reclassed(cls, model_class)
+        object.__dict__["__class__"].__set__(self, cls)
+
     def _get_name(self) -> str:  # the repr says what this is, whatever `__class__` says
         return type(self).__name__
 
@@ -178,6 +188,18 @@ class OptimizedModule(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{type(self.original).__name__}, {len(self._backend.reports)} graph(s) compiled"
+
+
+_RECLASSED: dict[type, type] = {}
+
+
+def _reclassed(cls: type, model_class: type) -> type:
+    """`cls` (mixins, then `model_class`) remade with OptimizedModule in the model's class's place; one per `cls`."""
+    if cls not in _RECLASSED:
+        bases = tuple(OptimizedModule if base is model_class else base for base in cls.__bases__)
+        body = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+        _RECLASSED[cls] = type(cls.__name__, bases, body)
+    return _RECLASSED[cls]
 
 
 def _rebuild(state: dict) -> OptimizedModule:
