@@ -573,10 +573,13 @@ def compile_on_its_own(module: torch.nn.Module, backend, dynamic: bool | None = 
 # TorchDynamo settings for the calls of an fxopt.optimize result, where torch's defaults would let the compiled
 # model differ from eager: guard modules' hooks (torch skips guards on empty hook dicts, so a hook registered
 # after compiling would silently not run), run NumPy's random functions with NumPy's own stream (torch traces
-# them onto its generator: HF Wav2Vec2's SpecAugment masks would change), and keep float attributes constants
-# with a guard (a float made a graph input reaches ops whose ATen schema takes a Python float).
+# them onto its generator: HF Wav2Vec2's SpecAugment masks would change), keep float attributes constants
+# with a guard (a float made a graph input reaches ops whose ATen schema takes a Python float), and bound
+# recompiles per result only (`isolate_recompiles`: each result has its own `recompile_limit`), not by
+# torch's process-wide count of every compile of the model class's `forward` code, which results long gone
+# used up (a sweep or a fuzzer optimizing hundreds of models of one class then ran the rest unoptimized).
 FXOPT_DYNAMO_SETTINGS = {"skip_nnmodule_hook_guards": False, "use_numpy_random_stream": True,
-                         "specialize_float": True}
+                         "specialize_float": True, "accumulated_recompile_limit": 1 << 30}
 
 
 def _dynamo_setting_variables() -> list | None:
@@ -617,6 +620,27 @@ def leave_fxopt_dynamo_settings(entered) -> None:
 
     for name, value in entered.items():
         setattr(config, name, value)
+
+
+_LIMIT_EXCEEDED = "Dynamo recompile limit exceeded"  # the start of Dynamo's record of such a call (`unimplemented`)
+_limit_hits_seen = [-1, 0, ""]  # Dynamo's count of frames it tried to compile, and what that count implied
+
+
+def recompile_limit_hits() -> tuple[int, str]:
+    """(how many calls in this process Dynamo ran as written because a recompile limit was reached, the last
+    limit's setting): Dynamo's counters, read anew only after it tried to compile something (O(1) otherwise)."""
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]["total"]
+    if frames != _limit_hits_seen[0]:
+        hits = {message: count for message, count in counters["unimplemented"].items()
+                if message.startswith(_LIMIT_EXCEEDED)}
+        last = ""
+        for message in hits:
+            kind = message.split("Limit type: ", 1)[-1].split()[0] if "Limit type: " in message else "recompile_limit"
+            last = f"torch._dynamo.config.{kind} = {getattr(torch._dynamo.config, kind, '?')}"
+        _limit_hits_seen[:] = [frames, sum(hits.values()), last or _limit_hits_seen[2]]
+    return _limit_hits_seen[1], _limit_hits_seen[2]
 
 
 def dynamo_input_source(node) -> str | None:

@@ -402,3 +402,39 @@ def test_float_attribute_changed_after_compiling_is_used():
         fast.scale = scale
         with torch.no_grad():
             torch.testing.assert_close(fast(x), fast.original(x))
+
+
+def test_many_models_of_one_class_are_each_optimized():
+    """Torch's process-wide cap on compiles of one `forward` (a sweep, a fuzzer) does not leave later results
+    unoptimized: each result's recompiles are bounded by its own limit (here the cap is lowered to 2)."""
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(accumulated_recompile_limit=2):
+        for seed in range(4):
+            torch.manual_seed(seed)
+            model = Small().eval()
+            fast = fxopt.optimize(model, _x())
+            assert fast.fxopt_report is not None, seed
+            x = _x()
+            torch.testing.assert_close(fast(x), model(x))
+
+
+def test_a_call_past_the_recompile_limit_runs_as_eager_with_one_warning():
+    """Where Dynamo would compile anew past its recompile limit, the call computes eager's result at eager's cost,
+    one warning names the limit, and calls matching the graph compiled before stay optimized."""
+    import torch._dynamo.config as dynamo_config
+
+    torch.manual_seed(0)
+    model, x = Small().eval(), _x()
+    with dynamo_config.patch(recompile_limit=1):
+        fast = fxopt.optimize(model, x)  # compiled under no_grad
+        with pytest.warns(UserWarning, match=r"recompile limit \(torch\._dynamo\.config\.recompile_limit = 1\)"):
+            got = fast(x)  # grad mode on: a new graph Dynamo may not compile
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = fast(x)
+            with torch.no_grad():
+                fast(x)
+    torch.testing.assert_close(got, model(x))
+    torch.testing.assert_close(again, got)
+    assert got.requires_grad and len(fast.fxopt_reports) == 1

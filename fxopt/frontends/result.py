@@ -10,7 +10,7 @@ Every call goes through `torch.compile(original, backend=<fxopt>)`. Dynamo's gua
 call, whether a compiled graph fits: a new padded length makes that dimension dynamic (one more
 compile, then every length); `train()`/`eval()`, a hook, a changed attribute, another dtype, grad
 mode or autocast recompile; code Dynamo cannot trace runs in Python between graphs (a graph
-break); past Dynamo's recompile limit the model runs as written. fxopt's backend optimizes each
+break); past Dynamo's recompile limit a new variant runs as written, with one warning. fxopt's backend optimizes each
 graph Dynamo hands it (fxopt/frontends/backend.py) and keeps one `Report` per graph
 (`fxopt_reports`; `fxopt_report` is the latest). Nothing fxopt bakes in outlives a change Dynamo
 does not guard: folded weights are recomputed from the current parameters inside the graph.
@@ -35,6 +35,7 @@ import torch
 
 from .. import _torch_private
 from ..errors import FxoptError
+from ..user_code import warn_at_users_line
 from .backend import FxoptBackend
 
 
@@ -58,6 +59,7 @@ class OptimizedModule(torch.nn.Module):
         if _torch_private.is_compiling():  # an outer torch.compile / torch.export traces the model itself
             return self.original(*args, **kwargs)
         entered = _torch_private.enter_fxopt_dynamo_settings()  # hooks guarded, NumPy's own stream, floats constant
+        limit_hits, _ = _torch_private.recompile_limit_hits()
         try:
             return self._compiled(*args, **kwargs)
         except _torch_private.backend_compiler_failed() as e:  # say what failed in fxopt, not in Dynamo's words
@@ -67,6 +69,18 @@ class OptimizedModule(torch.nn.Module):
             raise
         finally:
             _torch_private.leave_fxopt_dynamo_settings(entered)
+            if _torch_private.recompile_limit_hits()[0] != limit_hits:
+                self._warn_recompile_limit()
+
+    def _warn_recompile_limit(self) -> None:
+        """Once per result: a call Dynamo would have compiled anew ran as the model's own code (eager's cost)."""
+        if self.__dict__.get("_warned_recompile_limit"):
+            return
+        self.__dict__["_warned_recompile_limit"] = True
+        _, limit = _torch_private.recompile_limit_hits()
+        warn_at_users_line(f"fxopt: a call of {type(self.original).__name__} ran unoptimized, as eager runs it: "
+                           f"TorchDynamo reached its recompile limit ({limit}). Calls that match a graph compiled "
+                           f"before stay optimized; to compile more variants, raise that limit")
 
     # ---- what fxopt did --------------------------------------------------------------------------
 
