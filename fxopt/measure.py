@@ -160,9 +160,16 @@ def measure_allocator_peak(model: torch.nn.Module, inputs: tuple, forward=None, 
     reset_gradients()
     step()
     reset_gradients()
+    peak = allocator_peak(step, count_what_stays=gradients_before)
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def allocator_peak(step: Callable[[], object], count_what_stays: bool = True) -> int:
+    """Peak bytes allocated during `step()` and alive at once, from the allocator's events.
+    count_what_stays=False leaves out the allocations still alive when it returns (new `.grad` tensors)."""
     with allocation_profile() as prof:
         step()
-    model.zero_grad(set_to_none=True)
     events = profiler_allocations(prof)
     alive_at_end = {}  # address -> index of the allocation not freed by the end
     for i, (_, address, nbytes) in enumerate(events):
@@ -170,7 +177,7 @@ def measure_allocator_peak(model: torch.nn.Module, inputs: tuple, forward=None, 
             alive_at_end[address] = i
         else:
             alive_at_end.pop(address, None)
-    left = set() if gradients_before else set(alive_at_end.values())
+    left = set() if count_what_stays else set(alive_at_end.values())
     live = peak = 0
     for i, (_, _, nbytes) in enumerate(events):
         if i not in left:
