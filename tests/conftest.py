@@ -6,7 +6,7 @@ import torch
 
 sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "corpus")]
 from device_under_test import DEVICE  # noqa: E402
-from expected_warnings import budget_may_be_unmet  # noqa: E402
+from expected_warnings import budget_may_be_unmet, recompile_limit_may_be_reached  # noqa: E402
 
 # The tests run tiny tensors: one intra-op thread is faster than two and gives the same numbers
 # on every machine.
@@ -23,4 +23,11 @@ def device() -> torch.device:
 def budget_may_be_unmet_fixture():
     """fxopt's warning that a memory_budget is not met is expected in this test (tests/expected_warnings.py)."""
     with budget_may_be_unmet():
+        yield
+
+
+@pytest.fixture(name="recompile_limit_may_be_reached")
+def recompile_limit_may_be_reached_fixture():
+    """fxopt's warning that part of a call ran as eager past Dynamo's recompile limit is expected in this test."""
+    with recompile_limit_may_be_reached():
         yield

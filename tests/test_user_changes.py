@@ -428,7 +428,8 @@ def test_a_call_past_the_recompile_limit_runs_as_eager_with_one_warning():
     model, x = Small().eval(), _x()
     with dynamo_config.patch(recompile_limit=1):
         fast = fxopt.optimize(model, x)  # compiled under no_grad
-        with pytest.warns(UserWarning, match=r"recompile limit \(torch\._dynamo\.config\.recompile_limit = 1\)"):
+        with pytest.warns(UserWarning, match=r"part or all of a call of Small ran as eager runs it: TorchDynamo "
+                                             r"reached its recompile limit \(torch\._dynamo\.config\.recompile_limit = 1\)"):
             got = fast(x)  # grad mode on: a new graph Dynamo may not compile
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -78,9 +78,10 @@ class OptimizedModule(torch.nn.Module):
             return
         self.__dict__["_warned_recompile_limit"] = True
         _, limit = _torch_private.recompile_limit_hits()
-        warn_at_users_line(f"fxopt: a call of {type(self.original).__name__} ran unoptimized, as eager runs it: "
-                           f"TorchDynamo reached its recompile limit ({limit}). Calls that match a graph compiled "
-                           f"before stay optimized; to compile more variants, raise that limit")
+        warn_at_users_line(f"fxopt: part or all of a call of {type(self.original).__name__} ran as eager runs it: "
+                           f"TorchDynamo reached its recompile limit ({limit}); calls that match a graph compiled "
+                           f"before stay optimized. TORCH_LOGS=recompiles names what changed each time (a float "
+                           f"computed anew each call is a common cause); raise the limit if the variants are few")
 
     # ---- what fxopt did --------------------------------------------------------------------------
 
