@@ -15,6 +15,8 @@ the step, are not counted.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import tempfile
 
 import torch
@@ -23,6 +25,9 @@ from tabulate import tabulate
 
 import fxopt
 from fxopt.measure import allocator_peak
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from tiny_text_task import pad_to_longest  # noqa: E402  (the collator of the Trainer example)
 
 VOCAB = 30522  # BERT's own vocabulary: its embedding's gradient is what it is in a real fine-tuning
 
@@ -42,17 +47,6 @@ def sentences(n: int, seed: int, lengths=(64, 129)) -> list[dict]:
         rows.append({"input_ids": torch.randint(1, VOCAB, (length,), generator=g).tolist(),
                      "labels": int(torch.randint(0, 2, (1,), generator=g))})
     return rows
-
-
-def pad_to_longest(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """As DataCollatorWithPadding: each batch padded (with 0) to its own longest, with an attention mask."""
-    longest = max(len(row["input_ids"]) for row in rows)
-    ids = torch.zeros(len(rows), longest, dtype=torch.long)
-    mask = torch.zeros(len(rows), longest, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, :len(row["input_ids"])] = torch.tensor(row["input_ids"])
-        mask[i, :len(row["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([row["labels"] for row in rows])}
 
 
 def trainer_run(options: argparse.Namespace, budget) -> tuple[list[float], int, int]:
