@@ -272,6 +272,23 @@ def op_is_random(op) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
 
 
+def fold_constant_subgraphs(gm, example_inputs: list):
+    """`gm` with every subgraph computed from its attributes alone (no input, no random or in-place op) run once
+    now and kept as constants (torch.fx's `split_const_subgraphs`); a callable of the remaining inputs."""
+    from torch.fx.experimental.const_fold import split_const_subgraphs
+
+    attributes = [*gm.parameters(), *gm.buffers()]
+    device = str(attributes[0].device) if attributes else "cpu"
+    import warnings
+
+    with warnings.catch_warnings():  # it builds its constant graph before giving it the attributes it reads
+        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node with no underlying reference")
+        folded = split_const_subgraphs(gm, skip_folding_node_fn=lambda n: n.op == "call_function" and (
+            op_is_random(n.target) or op_is_mutable(n.target)), device_for_folded_attrs=device)
+    folded.run_folding()
+    return folded.forward
+
+
 def op_is_pointwise(op) -> bool:
     """Whether ATen tags an operator pointwise: each output element from the same-index input elements."""
     op = getattr(op, "default", op)

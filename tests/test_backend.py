@@ -7,6 +7,7 @@ gradient and every buffer (BatchNorm running statistics) after one step.
 from __future__ import annotations
 
 import copy
+import warnings
 import json
 import subprocess
 import sys
@@ -188,9 +189,10 @@ def test_graph_break_optimizes_each_graph_independently():
 
 @pytest.mark.parametrize("inner", FAST_INNERS)
 def test_fold_follows_parameters_changed_after_compiling(inner):
-    """Folded weights are graph ops on the parameter inputs: in-place updates and new Parameters are used."""
+    """Unfrozen, folded weights are graph ops on the parameter inputs: in-place updates and new Parameters are used
+    (frozen, see test_eager_path_frozen_fold_is_computed_once_and_never_stale)."""
     model = make("seed").eval()
-    compiled = torch.compile(model, backend=fxopt.backend(inner=inner))
+    compiled = torch.compile(model, backend=fxopt.backend(inner=inner, freeze=False))
     x = example()
     with torch.no_grad():
         compiled(x)
@@ -390,3 +392,47 @@ def test_ddp_split_graphs_each_reach_the_backend(monkeypatch):
     assert_same(ref, got)
     assert len(backend.reports) > 1
     assert sum(r["fold_conv_bn"].stats["folded"] for r in backend.reports) == 4
+
+
+def test_eager_path_frozen_fold_is_computed_once_and_never_stale():
+    """Inference on the eager path folds the scaled weights once (no fold arithmetic left in the call); an in-place
+    update, a new Parameter or moved BatchNorm statistics after it fall back, with one warning, and match eager."""
+    model = make("seed").eval()
+    optimized = fxopt.optimize(model, (example(),))
+    reference = optimized.original  # the private copy the result runs
+    x = example()
+    with torch.no_grad():
+        assert_same({"output": reference(x)}, {"output": optimized(x)})
+        frozen = next(iter(optimized._backend.graph_modules))
+        assert isinstance(frozen, torch.fx.GraphModule)
+        reference.conv1.weight.mul_(1.5)
+        reference.bn1.running_var.add_(0.25)
+        with pytest.warns(UserWarning, match="changed after fxopt froze it"):
+            got = optimized(x)
+        assert_same({"output": reference(x)}, {"output": got})
+        reference.bn1.weight = nn.Parameter(reference.bn1.weight * -1)
+        assert_same({"output": reference(x)}, {"output": optimized(x)})
+
+
+def test_eager_path_freeze_false_recomputes_the_fold_each_call():
+    """freeze=False: the fold runs on the current parameters each call, so an update needs no fallback or warning."""
+    model = make("seed").eval()
+    optimized = fxopt.optimize(model, (example(),), freeze=False)
+    x = example()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimized(x)
+        optimized.original.conv1.weight.mul_(1.5)
+        assert_same({"output": optimized.original(x)}, {"output": optimized(x)})
+
+
+def test_eager_path_train_mode_batch_norm_without_grad_is_not_frozen():
+    """A graph that updates BatchNorm statistics itself (train mode under no_grad) is not frozen: its statistics
+    move as eager's, call after call."""
+    model = make("seed").train()
+    reference = copy.deepcopy(model)
+    optimized = fxopt.optimize(model, (example(),), mode="inference")
+    with torch.no_grad():
+        for seed in range(3):
+            x = example() + seed
+            assert_same(step(reference, reference, x, False), step(optimized, optimized.original, x, False))

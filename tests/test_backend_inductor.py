@@ -61,7 +61,7 @@ def test_frozen_parameters_changed_after_compiling_are_never_stale():
         assert_same({"output": model(x)}, {"output": compiled(x)})
         model.conv1.weight.mul_(1.5)
         model.bn1.running_var.add_(0.25)
-        with pytest.warns(UserWarning, match="changed after torch.compile froze it"):
+        with pytest.warns(UserWarning, match="changed after fxopt froze it"):
             got = compiled(x)
         assert_same({"output": model(x)}, {"output": got})
         model.bn1.weight = nn.Parameter(model.bn1.weight * -1)
@@ -79,7 +79,7 @@ def test_frozen_statistics_updated_by_eager_training_are_never_stale():
         model.train()
         model(x * 3 + 1)
         model.eval()
-        with pytest.warns(UserWarning, match="changed after torch.compile froze it"):
+        with pytest.warns(UserWarning, match="changed after fxopt froze it"):
             got = compiled(x)
         assert_same({"output": model(x)}, {"output": got})
 

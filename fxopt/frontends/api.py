@@ -49,7 +49,7 @@ def _check_pass_names(passes) -> None:
 
 def optimize(model: torch.nn.Module, example_inputs=None, *, example_kwargs: Mapping | None = None,
              mode: str = "auto", passes: Sequence[str] | None = None, lowering: str = "eager", verify: bool = False,
-             instruments: Sequence[Instrument] = (), **pass_options) -> OptimizedModule:
+             freeze: bool = True, instruments: Sequence[Instrument] = (), **pass_options) -> OptimizedModule:
     """Optimize `model` on every call it gets: `torch.compile` with fxopt's backend; each graph's report is in
     `.fxopt_reports` (the latest in `.fxopt_report`).
 
@@ -63,6 +63,9 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, example_kwargs: Map
         in-place ReLUs, pruned gradients); "inductor" hands them to Inductor.
     verify: compare each graph with the optimized one after every pass (outputs; in training also
         gradients and buffers) and raise FxoptError at the first mismatch.
+    freeze: in inference, compute what depends on the parameters alone (folded weights) once, and check on
+        each call that no parameter or BatchNorm statistic changed (if one did: a warning, and that graph
+        recomputes them on every call from then on); False recomputes them on every call from the start.
     instruments: observers of the pipeline (fxopt.pipeline.instruments).
     pass_options: options for the passes, e.g. memory_budget=0.5.
 
@@ -86,8 +89,8 @@ def optimize(model: torch.nn.Module, example_inputs=None, *, example_kwargs: Map
         model = model.original
     check_initialized(model)  # a lazy module cannot be copied: say why, not that deepcopy failed
     source = independent_copy(model) if mode == INFERENCE else model
-    backend = FxoptBackend(passes=passes, inner=lowering, verify=verify, instruments=tuple(instruments),
-                           **pass_options)
+    backend = FxoptBackend(passes=passes, inner=lowering, verify=verify, freeze=freeze,
+                           instruments=tuple(instruments), **pass_options)
     if pass_options.get("differentiable_outputs") is not None:
         backend.options = dataclasses.replace(backend.options, output_places=_output_places(
             source, args, example_kwargs, pass_options["differentiable_outputs"]))

@@ -14,7 +14,9 @@ graph (grad enabled and an input requires grad), else "inference". A graph the A
 
 Lowering (`inner`):
   "eager"      the optimized ATen graph as it is, under eager autograd: checkpointed regions, in-place
-               ReLUs and pruned gradients stay as the passes made them (fxopt.optimize's default).
+               ReLUs and pruned gradients stay as the passes made them (fxopt.optimize's default). In
+               inference its parameter inputs are frozen as below, the subgraphs computed from them alone
+               (the fold) run once by torch.fx's `split_const_subgraphs`, with the same checks.
   "inductor"   Inductor's compile_fx, after AOTAutograd (`PassContext.aot_autograd_next`: inplace_relu
                does nothing, as functionalization would undo it; checkpoint_activations makes no
                regions: with `memory_budget` fxopt's planner tags what AOTAutograd's min-cut partitioner
@@ -55,6 +57,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..analysis.ops import match_batch_norm
+from ..analysis.written_state import written_state
 from ..capture import NotTraceable, aten_graph
 from ..errors import FxoptError
 from ..host_rng import forked_host_rng
@@ -67,6 +70,7 @@ from ..pipeline.pipelines import build_pipeline
 from ..pipeline.report import Report
 from ..pipeline.run import from_dynamo_graph, run_pipeline
 from ..pipeline.verify import Verifier
+from ..user_code import warn_at_users_line
 from .backend_memory import compile_with_memory_budget
 
 INNER_COMPILERS = ("eager", "inductor", "aot_eager")
@@ -149,9 +153,11 @@ class FxoptBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         compiled = compile_graph(gm, list(example_inputs), self.options, self.reports.append)
-        if isinstance(compiled, fx.GraphModule):
-            self.graph_modules.append(compiled)
+        graph = compiled if isinstance(compiled, fx.GraphModule) else getattr(compiled, "eager_graph", None)
+        if graph is not None:
+            self.graph_modules.append(graph)
             self.graph_inputs.append([weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in example_inputs])
+        if isinstance(compiled, fx.GraphModule):
             return compiled.forward  # as Dynamo's eager backend: a module's __call__ costs µs on every call
         return compiled
 
@@ -213,14 +219,15 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
         report = run_pipeline(captured, pipeline, ctx, instruments=options.instruments, verifier=verifier)
     report.dynamic_sizes = _symbolic_inputs(gm)
     _note_dynamo_facts(report)
-    if eager:
+    if not training and options.freeze and options.inner != "aot_eager" and _freezable(aten, example_inputs,
+                                                                                      constant_inputs):
+        compiled = FrozenInference(aten, example_inputs, constant_inputs, statistics, options.inner)
+    elif eager:
         compiled = aten
     elif training and options.memory_budget is not None:  # fxopt's planner tags what the partitioner recomputes
         compiled = compile_with_memory_budget(aten, example_inputs, options.memory_budget, options.inner, report)
     elif options.inner == "aot_eager":
         compiled = _torch_private.aot_eager_compile(aten, example_inputs)
-    elif not training and options.freeze and constant_inputs:
-        compiled = FrozenInference(aten, example_inputs, constant_inputs, statistics)
     else:
         compiled = _torch_private.inductor_compile(aten, example_inputs)
     _deliver(report, options.report, on_report)
@@ -291,22 +298,26 @@ def _deliver(report: Report, target, on_report) -> None:
 
 
 class FrozenInference:
-    """Inductor with the parameter inputs frozen into constants, guarded against parameter changes.
+    """An inference graph with its parameter inputs frozen into constants, guarded against parameter changes.
 
+    Lowered by `inner`: "inductor" compiles it with Inductor's freezing (the fold constant-folded, weights
+    pre-packed); "eager" runs it as is, its constant subgraphs (a fold's scaled weights, transposed
+    weights) computed once by torch.fx's `split_const_subgraphs`, random and in-place ops never folded.
     Each call checks that every parameter input is the tensor seen at compile time, with the same
     storage (`p.data = t` swaps it without touching the version) at the same `_version` (bumped by
     every in-place change: optimizer steps, `copy_`, `load_state_dict`), and that BatchNorm running
     statistics (`statistics`: their placeholders' names) keep their values: a train-mode BatchNorm run
     outside this graph (the module's own steps) updates them in place without bumping their versions.
-    On a mismatch the frozen code is never used again: the optimized graph is compiled without freezing
+    On a mismatch the frozen code is never used again: the optimized graph runs without freezing
     (the fold then runs on the current parameters each call) and a warning says so. A write through
     `p.data` (`p.data.mul_(2)`) into a parameter changes neither and is not detected, as with Inductor's
-    own freezing.
+    own freezing. The folded constants take memory beside the parameters, as any freezing's do.
     """
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str],
-                 statistics: frozenset[str] = frozenset()):
+                 statistics: frozenset[str] = frozenset(), inner: str = "inductor"):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.inner = inner
         self.constant_positions = [i for i, n in enumerate(placeholders) if n.name in constant_inputs]
         self.runtime_positions = [i for i, n in enumerate(placeholders) if n.name not in constant_inputs]
         self.constants = [example_inputs[i] for i in self.constant_positions]
@@ -315,10 +326,14 @@ class FrozenInference:
                            if placeholders[i].name in statistics]
         self.statistics_values = _values(self.statistics) if self.statistics else None
         self.unfrozen_graph = graph_module_copy(gm)
+        self.eager_graph = gm if inner == "eager" else None  # what `graph_module` shows: the optimized graph
         frozen_gm = _constants_as_attributes(gm, self.constant_positions, example_inputs)
+        runtime_inputs = [example_inputs[i] for i in self.runtime_positions]
         with torch.no_grad():
-            self.frozen = _torch_private.inductor_compile(
-                frozen_gm, [example_inputs[i] for i in self.runtime_positions], freezing=True)
+            if inner == "eager":
+                self.frozen = _torch_private.fold_constant_subgraphs(frozen_gm, runtime_inputs)
+            else:
+                self.frozen = _torch_private.inductor_compile(frozen_gm, runtime_inputs, freezing=True)
         self.unfrozen = None
 
     def __call__(self, *args):
@@ -329,11 +344,22 @@ class FrozenInference:
                 out = self.frozen(*[args[i] for i in self.runtime_positions])
                 self.state = _frozen_state(constants)  # the graph's own buffer updates are fine
                 return out
-            warnings.warn("fxopt: a parameter or statistic changed after torch.compile froze it; this graph now "
-                          "runs a non-frozen compile that recomputes the folded weights on every call", stacklevel=2)
-            self.unfrozen = _torch_private.inductor_compile(self.unfrozen_graph, list(args))
+            warn_at_users_line("fxopt: a parameter or statistic changed after fxopt froze it; this graph now runs "
+                               "without freezing, recomputing the folded weights on every call")
+            self.unfrozen = (self.unfrozen_graph.forward if self.inner == "eager"
+                             else _torch_private.inductor_compile(self.unfrozen_graph, list(args)))
             self.frozen = None
         return self.unfrozen(*args)
+
+
+def _freezable(gm: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str]) -> bool:
+    """Whether `gm`'s parameter and buffer inputs can be frozen and checked: there are some, the graph writes none
+    of them (a train-mode BatchNorm's statistics; an op fxopt cannot see into), and each has a version counter
+    (tensors made under `torch.inference_mode()` have none)."""
+    placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    constants = [x for name, x in zip(placeholders, example_inputs) if name in constant_inputs]
+    return bool(constants) and not written_state(gm) & constant_inputs and not any(
+        isinstance(x, torch.Tensor) and x.is_inference() for x in constants)
 
 
 def _values(tensors: list) -> torch.Tensor:

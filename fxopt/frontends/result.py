@@ -12,8 +12,9 @@ compile, then every length); `train()`/`eval()`, a hook, a changed attribute, an
 mode or autocast recompile; code Dynamo cannot trace runs in Python between graphs (a graph
 break); past Dynamo's recompile limit a new variant runs as written, with one warning. fxopt's backend optimizes each
 graph Dynamo hands it (fxopt/frontends/backend.py) and keeps one `Report` per graph
-(`fxopt_reports`; `fxopt_report` is the latest). Nothing fxopt bakes in outlives a change Dynamo
-does not guard: folded weights are recomputed from the current parameters inside the graph.
+(`fxopt_reports`; `fxopt_report` is the latest). What fxopt bakes in, Dynamo does not guard: an
+inference graph's frozen constants (folded weights) are checked on every call against the parameters'
+identity and version and the BatchNorm statistics' values (fxopt/frontends/backend.py, FrozenInference).
 
 Under `torch.compile` or `torch.export` of the result itself, the original model is what gets
 traced: fxopt's graphs are made for eager calls, and the outer compiler optimizes on its own.
