@@ -272,7 +272,7 @@ def op_is_random(op) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
 
 
-def fold_constant_subgraphs(gm, example_inputs: list):
+def fold_constant_subgraphs(gm):
     """`gm` with every subgraph computed from its attributes alone (no input, no random or in-place op) run once
     now and kept as constants (torch.fx's `split_const_subgraphs`); a callable of the remaining inputs."""
     from torch.fx.experimental.const_fold import split_const_subgraphs

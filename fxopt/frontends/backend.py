@@ -158,13 +158,21 @@ class FxoptBackend:
             self.graph_modules.append(graph)
             self.graph_inputs.append([weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in example_inputs])
         if isinstance(compiled, fx.GraphModule):
-            return compiled.forward  # as Dynamo's eager backend: a module's __call__ costs µs on every call
+            return _forward_of(compiled)
         return compiled
 
     def inputs_of(self, index: int) -> list | None:
         """The inputs graph module `index` was compiled on (parameters, the call's tensors), while they live."""
         values = [x() if isinstance(x, weakref.ref) else x for x in self.graph_inputs[index]]
         return None if any(v is None for v in values) else values
+
+
+def _forward_of(gm: fx.GraphModule) -> Callable:
+    """Calls `gm.forward` (as Dynamo's eager backend does: a module's __call__ costs µs on every call), looked up at
+    each call, so a graph changed and recompiled after compiling (`result.graph_module`) is what runs."""
+    def forward(*args):
+        return gm.forward(*args)
+    return forward
 
 
 def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **unexpected):
@@ -329,12 +337,15 @@ class FrozenInference:
         self.eager_graph = gm if inner == "eager" else None  # what `graph_module` shows: the optimized graph
         frozen_gm = _constants_as_attributes(gm, self.constant_positions, example_inputs)
         runtime_inputs = [example_inputs[i] for i in self.runtime_positions]
-        with torch.no_grad():
-            if inner == "eager":
-                self.frozen = _torch_private.fold_constant_subgraphs(frozen_gm, runtime_inputs)
-            else:
-                self.frozen = _torch_private.inductor_compile(frozen_gm, runtime_inputs, freezing=True)
         self.unfrozen = None
+        with torch.no_grad():
+            if inner != "eager":
+                self.frozen = _torch_private.inductor_compile(frozen_gm, runtime_inputs, freezing=True)
+                return
+            try:
+                self.frozen = _torch_private.fold_constant_subgraphs(frozen_gm)
+            except Exception:  # noqa: BLE001 - a graph torch.fx cannot split (grad-mode or autocast regions): unfrozen
+                self.frozen, self.unfrozen = None, self.unfrozen_graph.forward
 
     def __call__(self, *args):
         if self.unfrozen is None:
@@ -358,8 +369,8 @@ def _freezable(gm: fx.GraphModule, example_inputs: list, constant_inputs: frozen
     (tensors made under `torch.inference_mode()` have none)."""
     placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     constants = [x for name, x in zip(placeholders, example_inputs) if name in constant_inputs]
-    return bool(constants) and not written_state(gm) & constant_inputs and not any(
-        isinstance(x, torch.Tensor) and x.is_inference() for x in constants)
+    return (bool(constants) and all(isinstance(x, torch.Tensor) and not x.is_inference() for x in constants)
+            and not written_state(gm) & constant_inputs)
 
 
 def _values(tensors: list) -> torch.Tensor:
