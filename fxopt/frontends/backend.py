@@ -230,6 +230,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
     if not training and options.freeze and options.inner != "aot_eager" and _freezable(aten, example_inputs,
                                                                                       constant_inputs):
         compiled = FrozenInference(aten, example_inputs, constant_inputs, statistics, options.inner)
+        if compiled.folds_nothing:
+            compiled = aten
     elif eager:
         compiled = aten
     elif training and options.memory_budget is not None:  # fxopt's planner tags what the partitioner recomputes
@@ -344,8 +346,14 @@ class FrozenInference:
                 return
             try:
                 self.frozen = _torch_private.fold_constant_subgraphs(frozen_gm)
-            except Exception:  # noqa: BLE001 - a graph torch.fx cannot split (grad-mode or autocast regions): unfrozen
-                self.frozen, self.unfrozen = None, self.unfrozen_graph.forward
+            except Exception:  # noqa: BLE001 - a graph torch.fx cannot split (grad-mode or autocast regions)
+                self.frozen = None
+
+    @property
+    def folds_nothing(self) -> bool:
+        """On the eager path: nothing depends on the parameters alone (or torch.fx could not split the graph), so
+        the graph runs as it is, with no checks to pay for."""
+        return self.frozen is None
 
     def __call__(self, *args):
         if self.unfrozen is None:
