@@ -394,24 +394,26 @@ def test_ddp_split_graphs_each_reach_the_backend(monkeypatch):
     assert sum(r["fold_conv_bn"].stats["folded"] for r in backend.reports) == 4
 
 
-def test_eager_path_frozen_fold_is_computed_once_and_never_stale():
-    """Inference on the eager path folds the scaled weights once (no fold arithmetic left in the call); an in-place
-    update, a new Parameter or moved BatchNorm statistics after it fall back, with one warning, and match eager."""
-    model = make("seed").eval()
-    optimized = fxopt.optimize(model, (example(),))
-    reference = optimized.original  # the private copy the result runs
+def assert_frozen_fold_never_stale(model: nn.Module, call) -> None:
+    """`call` runs frozen inference graphs of `model`: an in-place update and moved statistics make it fall back
+    with one warning, a new Parameter is used after that, and every output is eager's."""
     x = example()
     with torch.no_grad():
-        assert_same({"output": reference(x)}, {"output": optimized(x)})
-        frozen = next(iter(optimized._backend.graph_modules))
-        assert isinstance(frozen, torch.fx.GraphModule)
-        reference.conv1.weight.mul_(1.5)
-        reference.bn1.running_var.add_(0.25)
+        assert_same({"output": model(x)}, {"output": call(x)})
+        model.conv1.weight.mul_(1.5)
+        model.bn1.running_var.add_(0.25)
         with pytest.warns(UserWarning, match="changed after fxopt froze it"):
-            got = optimized(x)
-        assert_same({"output": reference(x)}, {"output": got})
-        reference.bn1.weight = nn.Parameter(reference.bn1.weight * -1)
-        assert_same({"output": reference(x)}, {"output": optimized(x)})
+            got = call(x)
+        assert_same({"output": model(x)}, {"output": got})
+        model.bn1.weight = nn.Parameter(model.bn1.weight * -1)
+        assert_same({"output": model(x)}, {"output": call(x)})
+
+
+def test_eager_path_frozen_fold_is_computed_once_and_never_stale():
+    """Inference on the eager path folds the scaled weights once; an in-place update, a new Parameter or moved
+    BatchNorm statistics after it fall back, with one warning, and match eager."""
+    optimized = fxopt.optimize(make("seed").eval(), (example(),))
+    assert_frozen_fold_never_stale(optimized.original, optimized)  # the private copy the result runs
 
 
 def test_eager_path_freeze_false_recomputes_the_fold_each_call():

@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from test_backend import MODELS, assert_same, compiled_step, example, fresh_dynamo, make  # noqa: F401
+from test_backend import (MODELS, assert_frozen_fold_never_stale, assert_same, compiled_step,  # noqa: F401
+                          example, fresh_dynamo, make)
 
 import fxopt
 
@@ -55,17 +56,7 @@ def test_inductor_memory_budget_training_step_matches_eager():
 def test_frozen_parameters_changed_after_compiling_are_never_stale():
     """An in-place update or a new Parameter after compiling switches to the non-frozen compile, with a warning."""
     model = make("seed").eval()
-    compiled = torch.compile(model, backend=fxopt.backend())
-    x = example()
-    with torch.no_grad():
-        assert_same({"output": model(x)}, {"output": compiled(x)})
-        model.conv1.weight.mul_(1.5)
-        model.bn1.running_var.add_(0.25)
-        with pytest.warns(UserWarning, match="changed after fxopt froze it"):
-            got = compiled(x)
-        assert_same({"output": model(x)}, {"output": got})
-        model.bn1.weight = nn.Parameter(model.bn1.weight * -1)
-        assert_same({"output": model(x)}, {"output": compiled(x)})
+    assert_frozen_fold_never_stale(model, torch.compile(model, backend=fxopt.backend()))
 
 
 def test_frozen_statistics_updated_by_eager_training_are_never_stale():
