@@ -111,6 +111,13 @@ def tree_flatten(tree) -> tuple[list, object]:
     return _flatten(tree)
 
 
+def tree_map(fn, tree):
+    """`tree` with `fn` applied to each leaf."""
+    from torch.utils._pytree import tree_map as _map
+
+    return _map(fn, tree)
+
+
 class UserCheckpointCall(Exception):
     """Raised inside torch.export when the exported code calls torch.utils.checkpoint."""
 

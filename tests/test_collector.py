@@ -38,7 +38,8 @@ def test_a_callers_freeze_is_kept():
         frozen = gc.get_freeze_count()
         with heap_frozen():
             pass
-        assert gc.get_freeze_count() == frozen
+        # not unfrozen (which empties it); frozen objects freed meanwhile leave the count (a clean-clone run: 2 fewer)
+        assert gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
 

@@ -7,6 +7,7 @@ import numpy
 import torch
 import torch.nn as nn
 
+import fxopt
 from fxopt.state_preservation import preserved_state
 
 
@@ -102,3 +103,21 @@ def test_lists_and_dicts_holding_tensors_are_restored():
     with preserved_state(model, ()):
         model(torch.ones(3))
     assert model.kept[0] is kept and model.cache["last"] is cached
+
+
+def test_an_example_input_the_model_writes_keeps_its_autograd_state():
+    """A model that writes its input in place (`x.add_(y)`, y requiring grad) leaves the caller's example tensor
+    as it was: same values, still a leaf that does not require grad (found by a generated network)."""
+    class WritesItsInput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            x.add_(self.lin(x))
+            return x * 2
+
+    x = torch.randn(2, 4)
+    before = x.clone()
+    fxopt.optimize(WritesItsInput(), (x,), mode="training")
+    assert torch.equal(x, before) and x.is_leaf and not x.requires_grad and x.grad_fn is None

@@ -8,6 +8,7 @@ import torch
 
 from ..capture import check_initialized
 from ..capture.outputs import output_places
+from .. import _torch_private
 from ..errors import FxoptError
 from ..model_copy import independent_copy
 from ..output_selection import OutputPlaces, chosen_outputs, parse_differentiable_outputs
@@ -115,6 +116,11 @@ def _compile_on_example(result: OptimizedModule, args: tuple, kwargs: dict, mode
     """Call the result once on the example, as the mode would, and put back all that call changed; where
     the model itself rejects the example, an FxoptError naming the module that failed and its inputs."""
     grad = torch.no_grad if mode == INFERENCE else torch.enable_grad
+    # Copies of the example's tensors: a model that writes its input would otherwise leave the caller's tensor
+    # with the autograd history of that write (values can be put back, a grad_fn cannot)
+    args, kwargs = _torch_private.tree_map(
+        lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
+        (args, kwargs))
     try:
         with preserved_state(result.original, (args, kwargs)), grad():
             result(*args, **kwargs)
