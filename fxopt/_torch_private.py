@@ -111,11 +111,9 @@ def tree_flatten(tree) -> tuple[list, object]:
     return _flatten(tree)
 
 
-def tree_map(fn, tree):
-    """`tree` with `fn` applied to each leaf."""
-    from torch.utils._pytree import tree_map as _map
-
-    return _map(fn, tree)
+def is_view(t: torch.Tensor) -> bool:
+    """Whether `t` is a view of another tensor's storage (autograd cannot detach a view in place)."""
+    return t._is_view()
 
 
 class UserCheckpointCall(Exception):

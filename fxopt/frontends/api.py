@@ -116,14 +116,14 @@ def _compile_on_example(result: OptimizedModule, args: tuple, kwargs: dict, mode
     """Call the result once on the example, as the mode would, and put back all that call changed; where
     the model itself rejects the example, an FxoptError naming the module that failed and its inputs."""
     grad = torch.no_grad if mode == INFERENCE else torch.enable_grad
-    # Copies of the example's tensors: a model that writes its input would otherwise leave the caller's tensor
-    # with the autograd history of that write (values can be put back, a grad_fn cannot)
-    args, kwargs = _torch_private.tree_map(
-        lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
-        (args, kwargs))
+    leaves = [(t, t.requires_grad) for t in _torch_private.tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor) and t.is_leaf]
     try:
         with preserved_state(result.original, (args, kwargs)), grad():
             result(*args, **kwargs)
+        for t, requires_grad in leaves:  # a model writing its input gave it that write's history: values come back
+            if not t.is_leaf and not _torch_private.is_view(t):  # with preserved_state, the history goes here
+                t.detach_().requires_grad_(requires_grad)
     except FxoptError:
         raise
     except Exception as compiled_error:
