@@ -1,7 +1,7 @@
 """Recomputing a train-mode BatchNorm in a checkpointed region: from scratch, or replayed from its kept statistics.
 
 A region recomputes its train-mode BatchNorms in the backward. Computing the batch statistics again is most of
-the op; fxopt keeps them from the first run and only maps the input (`fxopt.analysis.batch_norm_replay`).
+the op; fxopt keeps them from the first run and only maps the input (`fxopt.checkpointing._batch_norm_replay`).
 Variants, each one recomputation over an activation-sized tensor:
 
     train-mode op        native_batch_norm(training=True), running statistics given: the forward, and what a
@@ -22,7 +22,7 @@ import torch
 from tabulate import tabulate
 
 import device as dev
-from fxopt.analysis.batch_norm_replay import KeptStatistics, replay
+from fxopt.checkpointing._batch_norm_replay import KeptStatistics, replay
 
 
 def main():

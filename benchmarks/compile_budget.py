@@ -6,7 +6,7 @@ from a config with random weights, wrapped to return `last_hidden_state`) and pe
 
   fxopt      torch.compile(model, backend=fxopt.backend(inner=INNER, passes=["checkpoint_activations"],
                                                 memory_budget=b)):
-             fxopt's planner tags what the min-cut partitioner recomputes (fxopt.frontends.backend_memory)
+             fxopt's planner tags what the min-cut partitioner recomputes (fxopt.pipeline.compile_budget)
   inductor   the same hand-off with torch's `activation_memory_budget=b` and the min-cut partitioner
              as it is (no fxopt tags): INNER "aot_eager" partitions exactly as Inductor does, without
              code generation (fast); "inductor" compiles with Inductor (20-30 s per compile on 2 cores)
@@ -19,7 +19,7 @@ during one step (`fxopt.measure.measure_allocator_peak`, after a warm-up step), 
   peak(g)    gradients allocated before the step, so the compiled backward's gradient outputs,
              all alive until that graph returns, count as temporaries (the definition of the
              eager benchmarks, checkpoint_vs_peers.py)
-predicted = fxopt's predicted step peak of the partition taken (`fxopt.analysis.partition_memory`,
+predicted = fxopt's predicted step peak of the partition taken (`fxopt.checkpointing._partition_memory`,
 in the report). All as ratios of the same variant at budget 1.0 (deterministic on CPU). step =
 the compiled training step's time as a ratio to the eager model's, medians of --rounds rounds
 interleaving the two, thread CPU time with one torch thread (the other processes of a shared

@@ -1,7 +1,7 @@
 """One checkpoint plan, two ways of keeping its selective regions' matmul outputs.
 
 A selective region keeps the outputs of its matrix products (and convolutions) itself where it can
-(`fxopt.passes._kept_outputs`: an autograd Function per kept op), else through torch's selective checkpoint
+(`fxopt.checkpointing._kept_outputs_run`: an autograd Function per kept op), else through torch's selective checkpoint
 policy, whose Python dispatch mode sees every op of the region's forward and recomputation. Per model
 (checkpoint_vs_peers.py's Hugging Face models and sizes): `fxopt.optimize(..., memory_budget=b)`'s plan as it is
 ("kept by region"), and a copy of the same plan whose regions keep the same outputs through torch's policy ("SAC
@@ -26,10 +26,10 @@ import torch
 
 import fxopt
 from checkpoint_vs_peers import LastHiddenState, _peak, _timed, add_common_arguments, prepare, print_tables
-from fxopt.analysis.memory import step_profile
+from fxopt.checkpointing.profile import step_profile
 from fxopt.graph_functions import import_by_name
-from fxopt.passes._checkpoint_region import CheckpointedRegion, _save_counted_ops, extract_region
-from fxopt.passes._kept_outputs import product_once
+from fxopt.checkpointing.eager_region import CheckpointedRegion, _save_counted_ops, extract_region
+from fxopt.checkpointing._kept_outputs_run import product_once
 
 _PRODUCT_ONCE = inspect.signature(product_once)
 

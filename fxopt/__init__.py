@@ -15,8 +15,9 @@ without importing torch. When torch is already imported, importing fxopt registe
 import importlib
 import sys
 
+from ._version import __version__
 from .errors import FxoptError
-__version__ = "0.1.0"
+
 __all__ = ["FxoptError", "OptimizedModule", "available_passes", "backend", "load", "optimize", "save"]
 
 _LAZY = {"optimize": ".frontends.api", "available_passes": ".frontends.api", "backend": ".frontends.backend",

@@ -19,10 +19,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fxopt"
 # and any lower layer, nothing else: not a higher layer, and not another group of its own layer
 # (capture and analysis do not import each other).
 LAYERS: list[tuple[str, list[tuple[str, ...]]]] = [
-    ("ground floor", [("fxopt.errors", "fxopt._torch_private", "fxopt.tree", "fxopt.state_preservation",
+    ("ground floor", [("fxopt.errors", "fxopt._version", "fxopt._torch_private", "fxopt.tree", "fxopt.state_preservation",
                        "fxopt.output_selection", "fxopt.op_names", "fxopt.graph_functions", "fxopt.model_copy",
                        "fxopt.running_modules", "fxopt.host_rng", "fxopt.user_code", "fxopt.collector")]),
     ("capture and analyses", [("fxopt.capture",), ("fxopt.analysis",), ("fxopt.measure",)]),
+    ("checkpointing", [("fxopt.checkpointing",)]),
     ("passes", [("fxopt.passes",)]),
     ("pipeline", [("fxopt.pipeline",)]),
     ("front ends", [("fxopt.frontends", "fxopt.__main__", "fxopt")]),
@@ -109,6 +110,21 @@ def upward(found: list[Import]) -> list[Import]:
     return bad
 
 
+def private(found: list[Import]) -> list[Import]:
+    """Imports of another package's private module (a name starting with one underscore, such as
+    `fxopt.checkpointing._region_run`): only modules of that package may import it."""
+    bad = []
+    for imp in found:
+        parts = imp.imported.split(".")
+        for k, part in enumerate(parts[1:], start=1):
+            if part.startswith("_") and not part.startswith("__") and k > 1:
+                owner = ".".join(parts[:k])
+                if not imp.importer.startswith(owner + ".") and imp.importer != owner:
+                    bad.append(imp)
+                break
+    return bad
+
+
 def cycles(found: list[Import]) -> list[list[str]]:
     """The import circles: strongly connected components of more than one module (Tarjan)."""
     graph: dict[str, list[str]] = {}
@@ -154,6 +170,8 @@ def main() -> None:
     print(f"cycles: {len(circles)}" + "".join(f"\n  {len(c)} modules: {', '.join(c)}" for c in circles))
     bad = upward(found)
     print(f"upward imports: {len(bad)}" + "".join(f"\n  {i}" for i in bad))
+    hidden = private(found)
+    print(f"imports of another package's private module: {len(hidden)}" + "".join(f"\n  {i}" for i in hidden))
     print(f"modules with no layer: {unassigned() or 'none'}")
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxopt.analysis.memory import Region, StepProfile
-from fxopt.passes._checkpoint_region import extract_region
+from fxopt.checkpointing.profile import Region, StepProfile
+from fxopt.checkpointing.eager_region import extract_region
 
 
 def named_regions(profile: StepProfile, bounds, **kind) -> list[Region]:

@@ -113,15 +113,15 @@ def test_mlp_step_matches_eager_at_each_budget(budget):
 def test_planning_pauses_the_collector(monkeypatch):
     """The planner runs with the garbage collector paused, as on the eager path (HF MobileViT: 37.9 s of
     planning with it on, 13.4 s paused)."""
-    from fxopt.frontends import backend_memory
+    from fxopt.checkpointing import candidates
     collector_on = []
 
     def plan(*args, **kwargs):
         collector_on.append(gc.isenabled())
         return plan_regions(*args, **kwargs)
 
-    plan_regions = backend_memory.plan_regions
-    monkeypatch.setattr(backend_memory, "plan_regions", plan)
+    plan_regions = candidates.plan_regions
+    monkeypatch.setattr(candidates, "plan_regions", plan)
     torch.manual_seed(0)
     _compiled_matches_eager(DeepMLP().double(), torch.randn(16, 32, dtype=torch.float64), memory_budget=0.5)
     assert collector_on and not any(collector_on) and gc.isenabled()

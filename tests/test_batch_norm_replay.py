@@ -1,5 +1,5 @@
 """A train-mode BatchNorm in a checkpointed region is recomputed from its kept batch statistics, bit for bit
-(fxopt.analysis.batch_norm_replay), and computes them again wherever ATen's kernels would not agree."""
+(fxopt.checkpointing._batch_norm_replay), and computes them again wherever ATen's kernels would not agree."""
 from __future__ import annotations
 
 import copy
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxopt
-from fxopt.analysis.batch_norm_replay import KeptStatistics, replay, replayed_batch_norm, replays_statistics
-from fxopt.analysis.memory import Region, step_profile
-from fxopt.passes._checkpoint_region import extract_region
+from fxopt.checkpointing._batch_norm_replay import KeptStatistics, replay, replayed_batch_norm, replays_statistics
+from fxopt.checkpointing.profile import Region, step_profile
+from fxopt.checkpointing.eager_region import extract_region
 from graph_forms import exported_graph
 
 SHAPES = [(4, 24, 28, 28), (2, 7, 5, 3), (3, 16), (3, 16, 9), (2, 8, 3, 4, 5), (2, 33, 1, 1), (16, 96, 7, 7)]

@@ -89,7 +89,7 @@ def test_mlp_step_is_unchanged():
 def test_dropout_replayed_from_its_mask_draws_the_same_stream():
     """A region replaying its dropouts from kept masks: in float64 two steps give eager's outputs and input
     gradients exactly, and the RNG ends where eager's does."""
-    from fxopt.passes._checkpoint_region import extract_region
+    from fxopt.checkpointing.eager_region import extract_region
 
     torch.manual_seed(0)
     model, x = deep_mlp(depth=3, width=64, p=0.3).double(), torch.randn(32, 64, dtype=torch.float64)
@@ -130,7 +130,7 @@ def test_dropout_before_another_random_op_is_drawn_again(attention_p):
     """A region whose dropout is followed by another random op (SDPA's dropout) draws the dropout again rather than
     replaying it, so the later op reads the generator where the forward did (attention without dropout draws
     nothing: the dropout is replayed); either way gradients equal eager in float64."""
-    from fxopt.passes._checkpoint_region import extract_region
+    from fxopt.checkpointing.eager_region import extract_region
 
     torch.manual_seed(0)
     model = _DropoutThenAttentionDropout(attention_p=attention_p).double()
@@ -211,7 +211,7 @@ def test_measured_peak_honours_budget_and_falls_with_it():
 def test_plan_below_the_floor_does_not_depend_on_timing(monkeypatch):
     """Every budget below the floor gets the same plan, however the measured op times come out."""
     import random
-    import fxopt.analysis.memory as memory
+    import fxopt.checkpointing.profile as memory
     measured, draw = memory.node_seconds, random.Random(0)
     monkeypatch.setattr(memory, "node_seconds",
                         lambda gm: {k: v * draw.uniform(0.2, 5.0) for k, v in measured(gm).items()})
@@ -281,8 +281,8 @@ class Mutating(torch.nn.Module):
 @pytest.mark.filterwarnings("ignore:fxopt. the predicted step peak rests on")  # an in-place write the memory model guesses
 def test_inplace_op_joins_only_a_region_that_made_what_it_writes():
     """An in-place op is recomputed only with the op that made its target: never writing a region input twice."""
-    from fxopt.analysis.memory import Region, step_profile
-    from fxopt.passes._checkpoint_writes import KeptWrites
+    from fxopt.checkpointing.profile import Region, step_profile
+    from fxopt.checkpointing.kept_writes import KeptWrites
 
     gm = _graph(fxopt.optimize(Mutating(), (torch.randn(32, 64),), mode="training", passes=[]))
     profile = step_profile(gm)
@@ -304,8 +304,8 @@ def test_inplace_op_joins_only_a_region_that_made_what_it_writes():
 def test_selective_region_never_writes_its_cached_output():
     """`h = linear(x); h.mul_(2)`: a selective region caches h, so it may not hold the write; a whole one may, and so
     may a selective one ending at the linear, which does not keep h."""
-    from fxopt.analysis.memory import Region, step_profile
-    from fxopt.passes._checkpoint_writes import KeptWrites
+    from fxopt.checkpointing.profile import Region, step_profile
+    from fxopt.checkpointing.kept_writes import KeptWrites
 
     class WritesMatmulOutput(torch.nn.Module):
         def __init__(self):

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import fxopt
 from corpus_models import LastHiddenState
 from equivalence import assert_same_step
-from fxopt.passes._checkpoint_region import extract_region
-from fxopt.passes.checkpoint_activations import refusal
+from fxopt.checkpointing.eager_region import extract_region
+from fxopt.checkpointing.eligibility import refusal
 
 pytestmark = pytest.mark.usefixtures("budget_may_be_unmet")  # budgets tiny models may not reach
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import fxopt
-from fxopt.analysis.batch_norm_replay import replayed_batch_norm
-from fxopt.analysis.dropout_replay import replayed_dropout_p
-from fxopt.analysis.op_times import node_seconds, replay_key
+from fxopt.checkpointing._batch_norm_replay import replayed_batch_norm
+from fxopt.checkpointing._dropout_replay import replayed_dropout_p
+from fxopt.checkpointing._replay_times import node_seconds, replay_key
 from fxopt.measure import measure_allocator_peak
 
 from graph_forms import exported_graph
@@ -41,7 +41,7 @@ def test_timing_leaves_no_trace():
 def test_region_overhead_is_measured_once():
     """The per-region overhead is measured (positive, a selective region's per-op cost above a whole one's) and
     cached."""
-    from fxopt.analysis.region_overhead import region_overhead
+    from fxopt.checkpointing._region_overhead import region_overhead
 
     first = region_overhead("cpu")
     assert first is region_overhead("cpu")
@@ -50,7 +50,7 @@ def test_region_overhead_is_measured_once():
 
 def test_region_overhead_draws_nothing_from_the_callers_generator():
     """Measuring the overhead leaves torch's generator where it was (its chain's input is not drawn)."""
-    from fxopt.analysis import region_overhead
+    from fxopt.checkpointing import _region_overhead as region_overhead
 
     region_overhead._measured.cache_clear()
     rng = torch.get_rng_state()
@@ -60,7 +60,7 @@ def test_region_overhead_draws_nothing_from_the_callers_generator():
 
 def test_region_overhead_chain_saves_a_tensor_per_op():
     """The chain region_overhead times saves one tensor per op, so a region's per-op saved-tensor hooks are priced."""
-    from fxopt.analysis.region_overhead import CHAIN, _chain
+    from fxopt.checkpointing._region_overhead import CHAIN, _chain
 
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
@@ -96,7 +96,7 @@ def test_a_met_budget_is_not_reported_unreachable():
 @pytest.mark.parametrize("replay_dropout", [True, False], ids=["masks_kept", "drawn_again"])
 def test_predicted_peak_of_a_plan_from_the_first_op(replay_dropout):
     """A plan whose first region starts at the first linear (the planner may pick it) is predicted within 10%."""
-    from fxopt.analysis.memory import estimate, step_profile
+    from fxopt.checkpointing.profile import estimate, step_profile
 
     torch.manual_seed(0)
     model, x = deep_mlp(depth=8, width=128), torch.randn(128, 128)
@@ -181,9 +181,9 @@ def _conv_bn_dropout_blocks() -> torch.nn.Module:
 
 def _calibration_block():
     """(graph, its timed profile, the block calibration would time) of four Conv-BN-ReLU-Dropout blocks."""
-    from fxopt.analysis.memory import step_profile
-    from fxopt.passes._checkpoint_plan import region_boundaries
-    from fxopt.passes._region_calibration import calibration_span
+    from fxopt.checkpointing.profile import step_profile
+    from fxopt.checkpointing.planner import region_boundaries
+    from fxopt.checkpointing.calibration import calibration_span
 
     torch.manual_seed(0)
     model, x = _conv_bn_dropout_blocks(), torch.randn(2, 3, 32, 32)
@@ -198,7 +198,7 @@ def _calibration_block():
 def test_region_calibration_leaves_no_trace():
     """Timing regions on a block of the graph itself gives each kind a per-region overhead (at least the chain's) and
     leaves parameters, their gradients, BatchNorm statistics and the RNG as they were."""
-    from fxopt.passes._region_calibration import calibrated_overhead
+    from fxopt.checkpointing.calibration import calibrated_overhead
 
     gm, profile, span = _calibration_block()
     state = {k: v.clone() for k, v in gm.state_dict().items()}
@@ -218,7 +218,7 @@ def test_region_calibration_differentiates_the_weights():
     region's kept convolution always does, so a block differentiating its inputs alone priced it too dear."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fxopt.passes._region_calibration import calibrated_overhead
+    from fxopt.checkpointing.calibration import calibrated_overhead
 
     class WeightGradients(TorchDispatchMode):
         def __init__(self):

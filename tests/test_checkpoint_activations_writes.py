@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 import fxopt
 from equivalence import assert_same_step
 from graph_forms import exported_graph
-from fxopt.analysis.memory import Region, step_profile
-from fxopt.passes._checkpoint_region import extract_region
-from fxopt.passes._checkpoint_writes import KeptWrites
+from fxopt.checkpointing.profile import Region, step_profile
+from fxopt.checkpointing.eager_region import extract_region
+from fxopt.checkpointing.kept_writes import KeptWrites
 from fxopt.pipeline.verify import run_step
 
 pytestmark = pytest.mark.usefixtures("budget_may_be_unmet")  # budgets tiny models may not reach

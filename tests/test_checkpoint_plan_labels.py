@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxopt.analysis.memory import estimate, step_profile
-from fxopt.passes import _checkpoint_plan
+from fxopt.checkpointing.profile import estimate, step_profile
+from fxopt.checkpointing import planner as _checkpoint_plan
 
 from graph_forms import exported_graph
 from test_checkpoint_activations import TransformerBlock

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from fxopt.analysis import shapes
-from fxopt.analysis.memory import Estimate, estimate, step_profile
-from fxopt.passes import _checkpoint_plan
+from fxopt.checkpointing.profile import Estimate, estimate, step_profile
+from fxopt.checkpointing import planner as _checkpoint_plan
 from fxopt.passes.base import TRAINING, PassContext
 from fxopt.passes.checkpoint_activations import CheckpointActivations
 

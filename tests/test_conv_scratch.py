@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fxopt.analysis.conv_scratch import conv_backward_scratch
-from fxopt.analysis.memory import estimate, step_profile
+from fxopt.checkpointing.profile import estimate, step_profile
 from fxopt.analysis.ops import match_conv
 from fxopt.measure import measure_allocator_peak
 

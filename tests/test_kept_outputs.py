@@ -10,11 +10,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxopt
-from fxopt.analysis.kept_outputs import kept_convolution, kept_product
-from fxopt.analysis.memory import Region, step_profile
-from fxopt.analysis.region_overhead import RegionOverhead
-from fxopt.passes._checkpoint_region import CheckpointedRegion, extract_region
-from fxopt.passes._kept_outputs import product_once
+from fxopt.checkpointing._kept_outputs import kept_convolution, kept_product
+from fxopt.checkpointing.profile import Region, step_profile
+from fxopt.checkpointing._region_overhead import RegionOverhead
+from fxopt.checkpointing.eager_region import CheckpointedRegion, extract_region
+from fxopt.checkpointing._kept_outputs_run import product_once
 
 from equivalence import assert_same_step
 from graph_forms import exported_graph, function_form

@@ -17,6 +17,13 @@ def test_no_upward_or_sideways_import():
     assert not bad, "imports against the layer rule:\n" + "\n".join(map(str, bad))
 
 
+def test_no_module_imports_another_packages_private_files():
+    """A package's `_name` modules are its own: others reach it through its public modules (checkpointing's
+    runtime and price lists stay behind its planner and lowerings)."""
+    bad = import_layers.private(import_layers.imports())
+    assert not bad, "imports of private modules:\n" + "\n".join(map(str, bad))
+
+
 def test_no_import_circle():
     """A circle, even through a function-level import, means two modules cannot be understood apart."""
     found = import_layers.imports()
@@ -41,3 +48,7 @@ def test_the_checker_sees_upward_and_circular_imports(tmp_path: pathlib.Path):
     assert [str(i) for i in import_layers.upward(found)] == [
         "fxopt.analysis.costs -> fxopt.pipeline.verify (module-level, line 1)"]
     assert import_layers.cycles(found) == [["fxopt.analysis.costs", "fxopt.pipeline.verify"]]
+    (package / "pipeline" / "_plan.py").write_text("")
+    (package / "analysis" / "flops.py").write_text("from ..pipeline import _plan\n")
+    assert [str(i) for i in import_layers.private(import_layers.imports(package))] == [
+        "fxopt.analysis.flops -> fxopt.pipeline._plan (module-level, line 1)"]

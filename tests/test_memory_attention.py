@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import fxopt
-from fxopt.analysis import memory
-from fxopt.analysis.memory import estimate, step_profile
-from fxopt.passes._checkpoint_plan import untimed
+from fxopt.checkpointing import profile as memory
+from fxopt.checkpointing.profile import estimate, step_profile
+from fxopt.checkpointing.planner import untimed
 from fxopt.analysis.saved_tensors import saved_bytes, saved_copies
 from fxopt._torch_private import allocation_peak, allocation_profile
 from fxopt.measure import measure_allocator_peak

@@ -9,7 +9,7 @@ import torch
 import fxopt
 from fxopt._torch_private import allocation_peak, allocation_profile
 from fxopt.analysis.backward_temporaries import backward_temporary
-from fxopt.analysis.memory import Region, estimate, step_profile
+from fxopt.checkpointing.profile import Region, estimate, step_profile
 from fxopt.measure import measure_allocator_peak, measure_saved_bytes
 from fxopt.passes._relu_mask import relu_mask
 
@@ -56,7 +56,7 @@ def _per_block_regions(profile, save_counted: bool) -> list[Region]:
 @pytest.mark.parametrize("save_counted", [False, True], ids=["whole", "selective"])
 def test_regions_over_batch_norm_blocks_predicted_exactly(save_counted):
     """A region over each Conv-BN-ReLU block keeps, until its backward ends, the checkpoint's copy of the RNG state
-    and what its BatchNorm's recomputation replays from (fxopt.analysis.batch_norm_replay): counted, the predicted step peak is the allocator's but
+    and what its BatchNorm's recomputation replays from (fxopt.checkpointing._batch_norm_replay): counted, the predicted step peak is the allocator's but
     for the loss and its gradient, two scalars outside the graph (without them 22 KB under)."""
     opt, x = _conv_bn_relu_blocks()
     profile = step_profile(opt.graph_module)

@@ -12,8 +12,8 @@ import transformers
 
 import fxopt
 from corpus_models import LastHiddenState
-from fxopt.analysis import memory
-from fxopt.analysis.memory import estimate, step_profile
+from fxopt.checkpointing import profile as memory
+from fxopt.checkpointing.profile import estimate, step_profile
 from fxopt.measure import measure_allocator_peak
 from fxopt.pipeline.run import from_model
 from graph_forms import exported_graph

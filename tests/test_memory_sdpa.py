@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import fxopt
 from fxopt.analysis import opaque_memory
-from fxopt.analysis.memory import estimate, step_profile
+from fxopt.checkpointing.profile import estimate, step_profile
 from fxopt.analysis.saved_tensors import measurement, saved_for_backward
 from fxopt.measure import measure_allocator_peak
 

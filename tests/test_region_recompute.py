@@ -1,5 +1,5 @@
 """What a region's recomputation runs: checkpoint stops it once the last saved tensor is saved again (its early
-stop), and the memory model prices exactly those steps (fxopt.analysis.memory.StepProfile.recomputed_steps)."""
+stop), and the memory model prices exactly those steps (fxopt.checkpointing.profile.StepProfile.recomputed_steps)."""
 from __future__ import annotations
 
 import collections
@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxopt
-from fxopt.analysis.memory import step_profile
+from fxopt.checkpointing.profile import step_profile
 
 from named_regions import extract_regions, named_regions
 from test_memory_attention import _ResidualMLP

@@ -1,6 +1,6 @@
 """What an op's backward allocates beyond the gradients it returns, from autograd's formulas (a convolution's aside).
 
-The memory model (fxopt.analysis.memory) counts at each backward the gradients of the tensors
+The memory model (fxopt.checkpointing.profile) counts at each backward the gradients of the tensors
 crossing it; most ATen backwards allocate nothing else (linear, matmul, GELU, softmax, layer norm,
 add: tests/test_memory_backward.py runs each alone under the allocator's profiler). Two formulas of
 torch's derivatives.yaml do, and both sit where models keep their losses and layer scales:

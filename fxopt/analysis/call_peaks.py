@@ -7,7 +7,7 @@ backward copies of its gradient and accumulators; on CUDA, the flash, memory-eff
 workspaces) are run once on real tensors of the same shapes, strides, dtypes and devices under the allocator's
 profiler (`measure`, cached per call and thread count; the first call allocates as every later one), and what
 they held at once is read from the events. `call_peak(node)` is that figure for a graph node (a compiled
-partition calls these ops itself: fxopt.analysis.partition_memory).
+partition calls these ops itself: fxopt.checkpointing._partition_memory).
 
 Not measured (0): a convolution off the CPU (CUDA's cuDNN workspace is its own), a call whose operands are not all
 known tensors, a call that fails when replayed, and any call while a torch profiler records (a second one would

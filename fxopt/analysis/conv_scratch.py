@@ -1,5 +1,5 @@
 """What a CPU convolution's backward allocates beyond the gradients it returns, measured: the eager step's model
-(fxopt.analysis.memory) reads it, as a compiled partition's (fxopt.analysis.partition_memory) reads the whole call's
+(fxopt.checkpointing.profile) reads it, as a compiled partition's (fxopt.checkpointing._partition_memory) reads the whole call's
 peak (fxopt.analysis.call_peaks, which measures both).
 
 On CPU, ATen runs a float convolution and its backward through oneDNN, which allocates beyond the

@@ -4,9 +4,8 @@
 placeholders' `node.meta["val"]` (floating inputs random, integer and bool inputs zero, so that
 every index is valid), under `torch.no_grad()` -- as a checkpointed region recomputes, the same
 kernels -- and returns {node name: the fastest of its runs} (the first run pays one-time costs; the
-fastest drops it), and for a dropout a region may replay from a kept mask
-(fxopt.analysis.dropout_replay) or a BatchNorm it may replay from kept statistics
-(fxopt.analysis.batch_norm_replay) the replay's time under `replay_key(name)`. With one torch thread
+fastest drops it), and the fastest of whatever else `also` asks to time beside a node, by its own key
+(fxopt.checkpointing._replay_times: replaying a dropout or a BatchNorm from what a region keeps). With one torch thread
 it times the thread's CPU time (`step_clock`): wall time on a loaded machine counted other
 processes' work (HF BERT's nodes summed to 2.5x its real forward). FLOPs (fxopt.analysis.flops)
 price a layer norm, a softmax or a dropout at nothing; on a real model those memory-bound ops
@@ -18,20 +17,20 @@ the machine (fxopt.passes.channels_last) is kept by.
 It leaves no trace: parameters are only read, buffers (BatchNorm statistics) and the RNG are
 put back (`fxopt.state_preservation`), and the caller's tensors are never inputs.
 A graph that cannot run on such inputs has no timing: None (callers fall back to FLOPs).
-It runs once per `fxopt.analysis.memory.step_profile`, whose every plan then reads it.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.fx as fx
 
 from ..state_preservation import preserved_state
 from .costs import placeholder_values
-from . import batch_norm_replay, dropout_replay
-from .dropout_replay import replayed_dropout_p
-from .ops import match_batch_norm
+
+# what else to time beside a node: (node, the values computed so far) -> (key, thunk) pairs
+AlsoTimed = Callable[[fx.Node, dict], Iterable[tuple[str, Callable[[], object]]]]
 
 ROUNDS = 3  # the fastest of three runs per node: the first warms up; of two more, the less disturbed (HF MobileNetV2
 # at budget 0.5: plans measured 1.07-1.14x eager step against 1.09-1.23x with two runs, 9 plans each, 11 rounds)
@@ -62,26 +61,18 @@ def synchronize() -> None:
 
 
 class _Timed(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, seconds: dict[str, float]):
+    def __init__(self, gm: fx.GraphModule, seconds: dict[str, float], also: AlsoTimed | None):
         super().__init__(gm)
         self.seconds = seconds
+        self.also = also
         self.clock = step_clock()
 
     def run_node(self, n: fx.Node):
         if n.op in ("placeholder", "get_attr", "output"):
             return super().run_node(n)
         out = self._timed(n.name, lambda: super(_Timed, self).run_node(n))
-        p = replayed_dropout_p(n)
-        if p is not None:  # a region may recompute it from a kept mask instead
-            x = self.env[n.all_input_nodes[0]]
-            mask = torch.ones_like(x, dtype=torch.bool)
-            self._timed(replay_key(n.name), lambda: dropout_replay.replay(x, mask, p))
-        if batch_norm_replay.replayed_batch_norm(n):  # a region recomputes it from its kept statistics
-            bn = match_batch_norm(n)
-            x, weight, bias = (self.env[a] if a is not None else None for a in (bn.input, bn.weight, bn.bias))
-            channels = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
-            kept = batch_norm_replay.KeptStatistics.of(weight, channels, channels)
-            self._timed(replay_key(n.name), lambda: batch_norm_replay.replay(x, bias, kept))
+        for key, run in (self.also(n, self.env) if self.also is not None else ()):
+            self._timed(key, run)
         return out
 
     def _timed(self, key: str, run):
@@ -93,20 +84,16 @@ class _Timed(fx.Interpreter):
         return out
 
 
-def replay_key(name: str) -> str:
-    """Where node_seconds puts the time of replaying node `name` from what a region keeps (module docstring)."""
-    return f"{name}:replay"
-
-
-def node_seconds(gm: fx.GraphModule) -> dict[str, float] | None:
-    """Forward seconds of every call node of `gm` on real tensors (see module docstring), or None."""
+def node_seconds(gm: fx.GraphModule, also: AlsoTimed | None = None) -> dict[str, float] | None:
+    """Forward seconds of every call node of `gm` on real tensors, and of what `also` adds (see module docstring),
+    or None."""
     examples = placeholder_values(gm)
     try:
         with preserved_state(gm, parameters=False), torch.no_grad():
             inputs = [real_like(v) for v in examples]
             runs = [dict() for _ in range(ROUNDS)]
             for seconds in runs:
-                _Timed(gm, seconds).run(*inputs)
+                _Timed(gm, seconds, also).run(*inputs)
     except Exception:  # noqa: BLE001 - data-dependent code or inputs zeros cannot stand for: no timing
         return None
     return {name: min(r[name] for r in runs) for name in runs[-1]}

@@ -16,11 +16,14 @@ one graph never rewrites across a region boundary.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+from .. import _torch_private
 
 aten = torch.ops.aten
 
@@ -205,3 +208,10 @@ def is_constant(ref: fx.Node | None, constant_inputs: frozenset[str]) -> bool:
     if not isinstance(ref, fx.Node):
         return False
     return ref.op == "get_attr" or (ref.op == "placeholder" and ref.name in constant_inputs)
+
+
+def draws_random_numbers(node: fx.Node) -> bool:
+    """Whether `node` draws random numbers, or is an element of what such an op returns."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node.op == "call_function" and _torch_private.op_is_random(node.target)

@@ -96,7 +96,7 @@ def _may_return_an_input(node: fx.Node) -> bool:
 def _alias_returned_inputs(gm: fx.GraphModule, mode) -> None:
     """Make export's values share storage where eager's do: export gives a new tensor for an op eager
     decomposes into returning its input (HF ViT's dropouts with p=0), and for every view of it, so the
-    memory model (fxopt.analysis.memory, which identifies tensors by storage) counted bytes that are
+    memory model (fxopt.checkpointing.profile, which identifies tensors by storage) counted bytes that are
     never allocated and freed the input too early. Such ops, and the views of a value that changed, run
     again on export's fake tensors; a value is replaced only when it turns out to alias an input."""
     with FakeRerun(gm, mode) as rerun:

@@ -20,7 +20,7 @@ Lowering (`inner`):
   "inductor"   Inductor's compile_fx, after AOTAutograd (`PassContext.aot_autograd_next`: inplace_relu
                does nothing, as functionalization would undo it; checkpoint_activations makes no
                regions: with `memory_budget` fxopt's planner tags what AOTAutograd's min-cut partitioner
-               recomputes, fxopt.frontends.backend_memory, and its outcome replaces the pass's entry in
+               recomputes, fxopt.pipeline.compile_budget, and its outcome replaces the pass's entry in
                the report). In inference, parameter inputs become constants of the graph (Inductor
                freezing: the fold is constant-folded, weights pre-packed), and every call checks that
                each parameter input is the same tensor, with the same storage (`p.data = t` replaces it)
@@ -65,13 +65,12 @@ from ..model_copy import graph_module_copy
 from ..output_selection import OutputPlaces, chosen_outputs, parse_differentiable_outputs
 from ..passes import PASSES
 from ..passes.base import INFERENCE, TRAINING, PassContext
-from ..passes.checkpoint_activations import parse_budget
+from ..pipeline.compile_budget import compile_with_memory_budget, parse_budget
 from ..pipeline.pipelines import build_pipeline
 from ..pipeline.report import Report
 from ..pipeline.run import from_dynamo_graph, run_pipeline
 from ..pipeline.verify import Verifier
 from ..user_code import warn_at_users_line
-from .backend_memory import compile_with_memory_budget
 
 INNER_COMPILERS = ("eager", "inductor", "aot_eager")
 

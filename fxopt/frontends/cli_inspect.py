@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 
-from .. import __version__
+from .._version import __version__
 from ..analysis.costs import Costs, estimate_costs, placeholder_values
 from ..pipeline.instruments import Instrument
 from ..errors import FxoptError

@@ -16,7 +16,7 @@ import zipfile
 
 import torch
 
-from .. import __version__
+from .._version import __version__
 from ..errors import FxoptError
 
 FORMAT = 1  # the layout of SavedResult; a newer one is refused by an older fxopt

@@ -5,7 +5,7 @@ submodules (named `checkpointed_<first>_to_<last>`), which run under non-reentra
 `torch.utils.checkpoint`; a region is either recomputed whole, or selectively (its matmul, conv
 and attention outputs are kept, only the cheap ops between them are recomputed: by torch's selective
 checkpoint policy, or, where all it keeps are convolutions and matrix products, by the region itself, which
-spares every op the policy's dispatch mode: fxopt.analysis.kept_outputs; it keeps only those its recomputation
+spares every op the policy's dispatch mode: fxopt.checkpointing._kept_outputs; it keeps only those its recomputation
 runs, and a third kind keeps only the costly ones, recomputing light ones such as attention's score matmul:
 StepProfile.kept_steps)::
 
@@ -14,11 +14,11 @@ StepProfile.kept_steps)::
     checkpointed_fc1_to_drop = self.checkpointed_fc1_to_drop(x)   # selective: fc1's output kept
     e = fc2(checkpointed_fc1_to_drop); ...
 
-How it chooses (fxopt.passes._checkpoint_plan): `memory_budget` bounds the estimated peak of the
+How it chooses (fxopt.checkpointing.planner): `memory_budget` bounds the estimated peak of the
 whole step, forward *and* backward (a fraction of the step's peak as captured, before fxopt's passes, or bytes),
 the caller's loss included: its backward runs beside everything the graph keeps, and is taken to hold four
-tensors the size of the outputs (fxopt.analysis.memory), as a mean of squares does.
-The estimate (fxopt.analysis.memory) walks the plan: what stays saved, when each saved tensor
+tensors the size of the outputs (fxopt.checkpointing.profile), as a mean of squares does.
+The estimate (fxopt.checkpointing.profile) walks the plan: what stays saved, when each saved tensor
 is freed in backward, the gradients in flight, and the moment a region is recomputed next to
 everything still kept -- where the peak of a checkpointed step usually lands, and what a plan
 that only counts bytes saved at the end of forward misses. Recomputation is priced in time, for
@@ -26,7 +26,7 @@ the steps a region's recomputation runs (checkpoint stops it once the last saved
 again, so a region over a transformer layer never recomputes its last linear):
 each node's forward measured on real tensors shaped like the example (fxopt.analysis.op_times;
 FLOPs where the graph cannot run so), plus what a region costs beyond its ops (per op it holds: measured once,
-fxopt.analysis.region_overhead; per region: on a block of this graph, fxopt.passes._region_calibration, figure
+fxopt.checkpointing._region_overhead; per region: on a block of this graph, fxopt.checkpointing.calibration, figure
 `region_overhead_ms`), so the plan with the
 lowest predicted step time whose predicted peak fits is chosen (figure `predicted_recompute_s`). An exact
 dynamic program over region boundaries and the region kinds returns the cheapest plan under
@@ -39,7 +39,7 @@ Why it is safe: a recomputed region computes the same values from the same input
 non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
 same mask; a BatchNorm updates its running statistics on the first run only, and a train-mode one on
 a contiguous float CPU input is recomputed from the batch statistics its first run kept, by the same
-kernel, so the same bits (fxopt.analysis.batch_norm_replay: a tenth of the op's time);
+kernel, so the same bits (fxopt.checkpointing._batch_norm_replay: a tenth of the op's time);
 parameters are shared, so gradients accumulate into the same tensors.
 
 When a node stays out of every region (reason in the report):
@@ -54,7 +54,7 @@ When a node stays out of every region (reason in the report):
   already_checkpointed  a region the user (or an earlier run) checkpointed: left as it is
   unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
 and no region keeps (as input, or as a selective region's cached output) a tensor written in place
-after it, through any alias (`kept_tensor_written_later`, fxopt.passes._checkpoint_writes): the
+after it, through any alias (`kept_tensor_written_later`, fxopt.checkpointing.kept_writes): the
 recomputation would read the new values; the report names the value, its writer and a refused region.
 When no plan fits `memory_budget` (`budget_unreachable`, at `<graph>`), the pass applies the plan
 with the lowest reachable peak and reports that peak and what stood in the way (headline: NOT met).
@@ -65,77 +65,23 @@ decides recomputation itself).
 from __future__ import annotations
 
 import math
-import re
-import warnings
 
-import torch
 import torch.fx as fx
-import torch.utils.checkpoint
 
-from ..analysis.aliasing import is_inplace_op
-from ..analysis.memory import Estimate, Region, StepProfile, estimate, step_profile
-from ..analysis.peak_holders import peak_holders
 from ..analysis.saved_tensors import RUNTIME_KERNEL_OPS, measurement
 from ..analysis.shapes import remember_shape_sources
-from ..analysis.ops import match_batch_norm
-from ..op_names import op_name
-from ..analysis.side_effects import MUTATION, effects
+from ..checkpointing.budget import parse_budget
+from ..checkpointing.calibration import calibrated_overhead, calibration_span
+from ..checkpointing.eager_region import CheckpointedRegion, extract_region
+from ..checkpointing.eligibility import refusal
+from ..checkpointing.kept_writes import KeptWrites
+from ..checkpointing.peak_holders import peak_holders
+from ..checkpointing.planner import plan_floor, plan_regions, region_boundaries
+from ..checkpointing.profile import Estimate, Region, StepProfile, estimate, step_profile
 from ..collector import collector_paused
-from ..errors import FxoptError
+from ..op_names import op_name
 from ..user_code import warn_at_users_line
-from ._checkpoint_plan import plan_floor, plan_regions, region_boundaries
-from ._checkpoint_region import CheckpointedRegion, can_recompute_batch_norm, extract_region, is_lone_state_update
-from ._region_calibration import calibrated_overhead, calibration_span
-from ._checkpoint_writes import KeptWrites
 from .base import TRAINING, Pass, PassContext, PassResult
-
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)?\s*$", re.IGNORECASE)
-
-
-def parse_budget(value) -> tuple[str, float]:
-    """("fraction", f) for a number in (0, 1] (1 and 1.0 alike); ("bytes", n) for a size with a unit ("512MB").
-
-    A bare number is always a fraction of the captured step's peak: bytes need a unit, so that
-    `1` cannot silently mean one byte.
-    """
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        if match is not None and match.group(2) is None:
-            return parse_budget(float(match.group(1)))
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise FxoptError(f"memory_budget {value!r} is not a size; write it like '512MB' or '1.5GiB'")
-        size = float(match.group(1)) * _UNITS[match.group(2).lower()]
-        if size < 1:
-            raise FxoptError(f"memory_budget {value!r} must be at least one byte")
-        return "bytes", size
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise FxoptError(f"memory_budget must be a fraction in (0, 1] or a size with a unit such as '512MB', "
-                         f"got {type(value).__name__}")
-    if not (0.0 < value <= 1.0) or math.isnan(value):
-        raise FxoptError(f"memory_budget {value} is not a fraction in (0, 1]; give bytes with a unit, e.g. '512MB'")
-    return "fraction", float(value)
-
-
-def refusal(node: fx.Node, gm: fx.GraphModule) -> str:
-    """Why `node` may not be recomputed inside a region (see module docstring), or ""."""
-    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), CheckpointedRegion):
-        return "already_checkpointed"
-    if node.op == "call_function" and node.target is torch.utils.checkpoint.checkpoint:
-        return "already_checkpointed"
-    bn = match_batch_norm(node)
-    if bn is not None and bn.training is not False and not can_recompute_batch_norm(node):
-        return "bn_training"
-    if is_lone_state_update(node):
-        return ""
-    name = op_name(node)
-    if name is None:
-        return "unknown_op"
-    if MUTATION in effects(node, gm) and not can_recompute_batch_norm(node) and not is_inplace_op(name):
-        return "mutation"  # in-place ops may join a region that made what they write (KeptWrites.write_inside)
-    return ""
-
 
 def _captured_peak(ctx: PassContext, peak_now: int) -> int:
     """The estimated step peak of the graph as captured, which a fractional budget is a fraction of (what the
@@ -151,7 +97,7 @@ def _frees(profile: StepProfile, region: Region) -> int:
 
 def _megabytes(n: int) -> str:
     """Bytes in MB, two decimals, or two significant digits below 0.01 MB: a small region may free only a few KB
-    once its checkpoint's own state (fxopt.analysis.memory) is paid for."""
+    once its checkpoint's own state (fxopt.checkpointing.profile) is paid for."""
     return f"{n / 1e6:.2f} MB" if abs(n) >= 1e4 else f"{n / 1e6:.2g} MB"
 
 
@@ -243,7 +189,7 @@ class CheckpointActivations(Pass):
         kind, amount = parse_budget(value)
         if ctx.aot_autograd_next:
             result.skipped = ("under torch.compile, fxopt's planner tags what AOTAutograd's partitioner "
-                              "recomputes (fxopt.frontends.backend_memory)")
+                              "recomputes (fxopt.pipeline.compile_budget)")
             return result
         if any(isinstance(m, CheckpointedRegion) for m in gm.modules()):
             result.skipped = "the graph already holds checkpointed regions"

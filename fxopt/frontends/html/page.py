@@ -11,7 +11,7 @@ import html
 import pathlib
 import re
 
-from ... import __version__
+from ..._version import __version__
 from ...pipeline.report import Report
 from ..cli_inspect import format_change, format_flops, human_bytes
 from .graph_view import ARROW_DEFS, MASK_ACTIONS, NOT_SAVED_ACTIONS, render

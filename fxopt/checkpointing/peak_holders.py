@@ -1,11 +1,11 @@
 """Which ops hold a plan's estimated step peak: the tensors kept there, summed by the op that made them.
 
 An unmet memory budget is only useful to the user with what stands in the way. `peak_holders(profile, regions)`
-walks the plan as fxopt.analysis.memory.estimate does, finds the segment whose backward holds the peak, and sums
+walks the plan as fxopt.checkpointing.profile.estimate does, finds the segment whose backward holds the peak, and sums
 what is kept at that moment (what every segment up to it keeps: backward runs last segment first) by the op that
 made each tensor; what the backward there holds beyond that (gradients, scratch) is reported beside it, and among
 those gradients the ones of parameters read both before and after that point (tied weights: their gradient waits
-there for the rest of its sum, fxopt.analysis.memory).
+there for the rest of its sum, fxopt.checkpointing.profile).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 
-from .memory import STATE, Region, StepProfile, segment_effect, segments
+from .profile import STATE, Region, StepProfile, segment_effect, segments
 
 
 @dataclasses.dataclass(frozen=True)

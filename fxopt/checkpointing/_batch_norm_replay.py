@@ -21,8 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from .ops import match_batch_norm
-from .shapes import tensor_meta
+from ..analysis.ops import match_batch_norm
+from ..analysis.shapes import tensor_meta
 
 REPLAYED_DTYPES = (torch.float32, torch.float64)
 

@@ -15,7 +15,7 @@ only tensors the region itself made: the recomputation makes them again and writ
 selective region) a matmul/conv output it keeps.
 
 Writes into running statistics by a BatchNorm are not writes into a kept value: a recomputed
-BatchNorm updates throwaway copies (`fxopt.passes._checkpoint_region`) and never reads them.
+BatchNorm updates throwaway copies (`fxopt.checkpointing.eager_region`) and never reads them.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import bisect
 import torch.fx as fx
 
 from ..analysis.aliasing import AliasInfo, is_inplace_op
-from ..analysis.memory import Region, StepProfile
+from .profile import Region, StepProfile
 from ..op_names import op_name
 from ..analysis.side_effects import MUTATION, effects
-from ._checkpoint_region import can_recompute_batch_norm, is_lone_state_update
+from .eager_region import can_recompute_batch_norm, is_lone_state_update
 
 
 def written_inputs(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:

@@ -1,6 +1,6 @@
 """What a checkpointed region costs beyond its ops, measured on a block of the graph being planned.
 
-`fxopt.analysis.region_overhead` times regions over a chain of small ops. On a real model a region
+`fxopt.checkpointing._region_overhead` times regions over a chain of small ops. On a real model a region
 costs more than that and its ops' times predict: on HF MobileNetV2 (one thread, batch 4) each region
 of a plan at budget 0.5, timed alone, cost 1.3-3 ms beyond its predicted recomputation, where the
 chain priced 0.1-0.2 ms; its BatchNorms, its selective policy over convolutions, the activations
@@ -25,11 +25,11 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from ..analysis.memory import Region, StepProfile
+from .profile import Region, StepProfile
 from ..analysis.op_times import real_like, step_clock, synchronize
-from ..analysis.region_overhead import RegionOverhead
+from ._region_overhead import RegionOverhead
 from ..state_preservation import preserved_state
-from ._checkpoint_region import extract_region, inputs_of_graph, read_outside
+from .eager_region import extract_region, inputs_of_graph, read_outside
 
 ROUNDS = 5
 BLOCK_SECONDS = 1.5e-3  # the forward time of the block timed: a model's block, in about 0.1 s for all rounds

@@ -1,6 +1,6 @@
 """One run of a checkpointed region's body, and the values its first run keeps for its recomputation.
 
-A region (fxopt.passes._checkpoint_region) whose body runs BatchNorm, replays dropout or keeps op outputs itself
+A region (fxopt.checkpointing.eager_region) whose body runs BatchNorm, replays dropout or keeps op outputs itself
 calls the body with a `RegionRun` first: the forward (`first`) or a recomputation. What the first run keeps for the
 recomputation lives in `scratch`, one dict per call of the region.
 

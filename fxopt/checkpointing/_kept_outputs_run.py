@@ -1,11 +1,11 @@
-"""Ops of a selective region that keep their own outputs (fxopt.analysis.kept_outputs says which).
+"""Ops of a selective region that keep their own outputs (fxopt.checkpointing._kept_outputs says which).
 
 The region's first run computes the op and keeps its output (RegionRun); a recomputation hands that output back
 instead of computing it, saving what the first run saved, so checkpoint sees the same saved tensors on both runs and
 the memory model's account of them holds.
 
   convolution   runs as ATen's own op on the first run, whose node saves its input and weight and does the
-                backward; a recomputation is `recomputed_as_saved` (fxopt.passes._region_run)
+                backward; a recomputation is `recomputed_as_saved` (fxopt.checkpointing._region_run)
   products      run as an autograd Function on both runs, saving the operands in the form ATen's path through the
                 op gives them (`linear` flattens its input to a matrix, `matmul` of batched operands expands and
                 folds them to `bmm`'s three dims), copies where it copies; its backward makes the `mm` / `bmm` calls
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..analysis.kept_outputs import ConvolutionArguments
+from ._kept_outputs import ConvolutionArguments
 from ..graph_functions import graph_function, import_by_name
 from ._region_run import RegionRun, output_once, recomputed_as_saved, take_output
 

@@ -22,12 +22,12 @@ live anyway and cost nothing (as in `fxopt.measure`).
   first holder, as the gradients inside the region come and go (and a convolution's scratch, as
   outside regions; a selective region's cached outputs are dropped as the recomputation takes them);
   a region may keep the masks of its
-  dropouts and replay them (`Region.replay_dropout`, fxopt.analysis.dropout_replay);
+  dropouts and replay them (`Region.replay_dropout`, fxopt.checkpointing._dropout_replay);
 * from its forward to the end of its backward a region also keeps its checkpoint's state: on CPU, a copy of
   the RNG state (`preserve_rng_state`; the second copy torch.random.fork_rng holds while it recomputes is
   freed before the gradients of its last step's backward, which the model already counts then, exist), and
   of each train-mode BatchNorm in it, what its recomputation replays from or copies of its running statistics
-  (fxopt.passes._checkpoint_region.batch_norm_once);
+  (fxopt.checkpointing.eager_region.batch_norm_once);
 * the forward at p holds the kept tensors made so far and the tensors still to be read;
 * with `caller_loss`, between the forward and the graph's backward the caller's loss runs its own backward
   over the graph's outputs: everything kept is alive, and so are the outputs and what the loss holds,
@@ -37,7 +37,7 @@ live anyway and cost nothing (as in `fxopt.measure`).
   3.0 MB above the graph's own, 321.5 MB, there).
 
 The peak of the step is the largest of these. `segment_effect` is the one step of this
-simulation the planner (fxopt.passes._checkpoint_plan) also takes, so both see the same model.
+simulation the planner (fxopt.checkpointing.planner) also takes, so both see the same model.
 """
 from __future__ import annotations
 
@@ -53,18 +53,18 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..op_names import op_name
-from .backward_temporaries import backward_temporary
-from .batch_norm_replay import replayed_batch_norm
-from .conv_scratch import conv_backward_scratch
-from .dropout_replay import draws_unreplayed, replayed_dropout_p
-from .flops import node_flops
-from .grad_needs import analyze_grad_needs
-from .kept_outputs import kept_output
-from .op_times import node_seconds, replay_key
-from .region_overhead import RegionOverhead, region_overhead
-from .ops import match_batch_norm, match_conv, state_input
-from .saved_tensors import RUNTIME_KERNEL_OPS, measurement, saved_bytes, saved_copies, saved_for_backward, tensor_bytes
-from .shapes import tensor_meta
+from ..analysis.backward_temporaries import backward_temporary
+from ._batch_norm_replay import replayed_batch_norm
+from ..analysis.conv_scratch import conv_backward_scratch
+from ._dropout_replay import draws_unreplayed, replayed_dropout_p
+from ..analysis.flops import node_flops
+from ..analysis.grad_needs import analyze_grad_needs
+from ._kept_outputs import kept_output
+from ._replay_times import node_seconds, replay_key
+from ._region_overhead import RegionOverhead, region_overhead
+from ..analysis.ops import match_batch_norm, match_conv, state_input
+from ..analysis.saved_tensors import RUNTIME_KERNEL_OPS, measurement, saved_bytes, saved_copies, saved_for_backward, tensor_bytes
+from ..analysis.shapes import tensor_meta
 
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
 COPY = "copy"  # the key (COPY, node name): the copies of its inputs a node saves (saved_tensors.saved_copies)
@@ -83,9 +83,9 @@ class Step:
     flops: int  # forward FLOPs (FlopCounterMode)
     counted: bool  # a matmul / conv / attention: the ops a selective region saves
     seconds: float | None = None  # its forward's measured time (fxopt.analysis.op_times), if measured
-    mask: frozenset = frozenset()  # a dropout a region may replay: its mask's key (fxopt.analysis.dropout_replay)
+    mask: frozenset = frozenset()  # a dropout a region may replay: its mask's key (fxopt.checkpointing._dropout_replay)
     replay_seconds: float | None = None  # the measured time of recomputing it from what a region keeps (a dropout's
-    # mask, a BatchNorm's statistics: fxopt.analysis.batch_norm_replay), if it has such a replay and was measured
+    # mask, a BatchNorm's statistics: fxopt.checkpointing._batch_norm_replay), if it has such a replay and was measured
     outputs: frozenset = frozenset()  # the storages of its output value it creates (creates less private buffers)
     backward_scratch: int | None = None  # what its backward allocates beyond its gradients, if known (a convolution's
     # scratch; fxopt.analysis.backward_temporaries for other ops)
@@ -197,17 +197,20 @@ class StepProfile:
         counted step its recomputation runs is one it can keep; else torch's selective policy keeps them."""
         return self._sum(self._counted_not_kept_prefix, self.recomputed_steps(r)) == 0
 
-    def kept_steps(self, r: Region) -> list[int]:
-        """The counted steps whose outputs a selective region keeps. Where it keeps them itself (keeps_itself),
-        those its recomputation runs (recomputed_steps), less the light ones with `keep_costly_only`: checkpoint's
-        early stop never reaches the others, which need nothing kept (the last linear of a transformer layer's
-        MLP). Under torch's selective policy, every counted step's output."""
+    def kept_steps(self, r: Region, early_stop: bool = True) -> list[int]:
+        """The counted steps whose outputs a selective region keeps, less the light ones with `keep_costly_only`.
+
+        The one rule for both lowerings. An eager region (`early_stop`: torch.utils.checkpoint's recomputation
+        stops early) that keeps them itself (keeps_itself) keeps those its recomputation runs (recomputed_steps):
+        the early stop never reaches the others, which need nothing kept (the last linear of a transformer layer's
+        MLP); under torch's selective policy instead, every counted step's output. A partitioner's recomputation
+        (not `early_stop`) is tagged node by node, so it keeps every counted step of the region."""
         if not r.save_counted:
             return []
-        if not self.keeps_itself(r):
+        if early_stop and not self.keeps_itself(r):
             return [p for p in range(r.start, r.stop) if self.steps[p].counted]
-        return [p for p in self.recomputed_steps(r) if self.steps[p].counted
-                and not (r.keep_costly_only and self.light[p])]
+        steps = self.recomputed_steps(r) if early_stop else range(r.start, r.stop)
+        return [p for p in steps if self.steps[p].counted and not (r.keep_costly_only and self.light[p])]
 
     def _kept_outputs(self, r: Region) -> frozenset:
         """What a selective region keeps of its counted steps (kept_steps): their outputs, not the copies of inputs
@@ -255,7 +258,7 @@ class StepProfile:
 
     def overhead_per_op(self, r: Region) -> float:
         """Seconds the region adds per op it holds: a selective one that keeps an op it cannot keep itself runs every
-        op through torch's selective checkpoint dispatch mode (fxopt.analysis.kept_outputs)."""
+        op through torch's selective checkpoint dispatch mode (fxopt.checkpointing._kept_outputs)."""
         dispatched = r.save_counted and not self.keeps_itself(r)
         return self.overhead.selective_per_op if dispatched else self.overhead.per_op
 
@@ -267,7 +270,7 @@ class StepProfile:
 
     def has_replayable_dropout(self, r: Region) -> bool:
         """Whether a region over r's steps may replay dropouts from masks: it has one, and no other op in it
-        draws random numbers (fxopt.analysis.dropout_replay.replayable_dropouts)."""
+        draws random numbers (fxopt.checkpointing._dropout_replay.replayable_dropouts)."""
         return self._sum(self._mask_prefix, r) > 0 and self._sum(self._unreplayed_random_prefix, r) == 0
 
     def region_flops(self, r: Region) -> int:
@@ -477,7 +480,7 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
     """The steps of `gm` (see module docstring), or None if its FLOPs cannot be counted on fake tensors.
 
     `timed`: price recomputation by each node's measured time (`fxopt.analysis.op_times`) plus what
-    a region costs beyond its ops (`fxopt.analysis.region_overhead`, measured once), where the graph
+    a region costs beyond its ops (`fxopt.checkpointing._region_overhead`, measured once), where the graph
     runs on real tensors; else by FLOPs. `caller_loss`: the step includes the caller's loss over the
     outputs (module docstring); else it starts its backward with the outputs' gradients."""
     flops = node_flops(gm)
@@ -550,7 +553,7 @@ def _runs_as_ops(node: fx.Node, requires_grad) -> bool:
 
 def _statistics_kept(node: fx.Node) -> int:
     """Bytes a region holding train-mode BatchNorm `node` keeps of it until its backward ends (batch_norm_once):
-    four per-channel vectors to replay it from (fxopt.analysis.batch_norm_replay.KeptStatistics), else copies of
+    four per-channel vectors to replay it from (fxopt.checkpointing._batch_norm_replay.KeptStatistics), else copies of
     its running statistics."""
     bn = match_batch_norm(node)
     if bn is None or bn.training is False:
@@ -618,7 +621,7 @@ def _saves_any(node: fx.Node, requires_grad) -> bool:
 
 
 def _replay_mask(node: fx.Node, nbytes: dict) -> frozenset:
-    """The bool mask a region keeps to replay a dropout (fxopt.analysis.dropout_replay), one byte an element."""
+    """The bool mask a region keeps to replay a dropout (fxopt.checkpointing._dropout_replay), one byte an element."""
     if replayed_dropout_p(node) is None:
         return frozenset()
     key = ("dropout_mask", node.name)

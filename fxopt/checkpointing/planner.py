@@ -4,7 +4,7 @@ A plan cuts the steps (call nodes in execution order) into segments: a plain ste
 region [start, stop) of checkpointable steps, either recomputed whole or selectively (matmul,
 conv and attention outputs saved, everything else recomputed; or only the costly ones of those
 saved, the light ones recomputed too: StepProfile.light). Walking the plan in forward
-order, `fxopt.analysis.memory.segment_effect` gives the backward peak inside each segment from
+order, `fxopt.checkpointing.profile.segment_effect` gives the backward peak inside each segment from
 two numbers: the bytes kept so far and which kept tensors later steps may still read (so a
 tensor saved by two nodes counts once). That makes the problem a shortest path:
 
@@ -36,7 +36,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 
-from ..analysis.memory import Region, StepProfile, estimate
+from .profile import Region, StepProfile, estimate
 
 
 MAX_LABELS = 64  # bands of bytes kept per position and held tensors: bounds the search at a small loss of optimality

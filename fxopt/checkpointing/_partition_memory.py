@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from .call_peaks import call_peak
+from ..analysis.call_peaks import call_peak
 
 
 @dataclasses.dataclass(frozen=True)

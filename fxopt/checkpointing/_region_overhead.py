@@ -3,7 +3,7 @@
 A non-reentrant `torch.utils.checkpoint` region pays for its own wrapper and saved-tensor hooks
 (per region), and its recomputation records an autograd graph again (per op); a selective region
 under torch's policy also sends every op of its forward and of its recomputation through a Python dispatch
-mode (one that keeps only convolutions and matrix products does not: fxopt.analysis.kept_outputs). Op
+mode (one that keeps only convolutions and matrix products does not: fxopt.checkpointing._kept_outputs). Op
 times (fxopt.analysis.op_times) see none of it. `region_overhead(device)` times one training step
 of a chain of tiny ops plain and inside each kind of region, with 1 and with CHAIN ops, and
 returns the difference split into per region and per op (medians of interleaved rounds, on the
@@ -12,7 +12,7 @@ activations do, so each saved tensor passes the region's hooks (`x * 1.0`, which
 measured 0 per op in a whole region; `sin`, 37 us). It is measured once per device and thread count,
 in about 0.1 s, and cached. Its per-region figures are a floor: a model's regions cost more (HF MobileNetV2: 0.6-1.9 ms
 a region, against 0.1 ms here), so checkpoint_activations measures them on a block of the graph it plans
-(fxopt.passes._region_calibration) and keeps this per-op price.
+(fxopt.checkpointing.calibration) and keeps this per-op price.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import statistics
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .op_times import step_clock
+from ..analysis.op_times import step_clock
 
 CHAIN = 16  # ops in the long chain; the short one has one
 ROUNDS = 15

@@ -8,13 +8,13 @@ same mask). Every BatchNorm inside (`aten.batch_norm`, `F.batch_norm`) runs as `
 its running statistics move once per step, as without checkpointing, and checkpoint sees the same saved
 tensors on both runs: a train-mode one on a contiguous float CPU input keeps its batch statistics from the
 region's first run and its recomputation maps the input with them, bit for bit as ATen did
-(fxopt.analysis.batch_norm_replay); any other runs as written on the first run and, in train mode, on
+(fxopt.checkpointing._batch_norm_replay); any other runs as written on the first run and, in train mode, on
 throwaway copies of the running statistics when recomputed. With `save_counted`, a selective checkpoint policy
 also keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and
 recomputes only the rest; where every op it keeps is a convolution or a matrix product, the region keeps their
-outputs itself (`convolution_once` / `product_once`: fxopt.passes._kept_outputs, fxopt.analysis.kept_outputs) and
+outputs itself (`convolution_once` / `product_once`: fxopt.checkpointing._kept_outputs_run, fxopt.checkpointing._kept_outputs) and
 its other ops run without the policy's dispatch mode. A train-mode dropout on CPU runs as `dropout_once`: the mask
-its first run draws is kept, and a recomputation rebuilds the noise from it (fxopt.analysis.dropout_replay).
+its first run draws is kept, and a recomputation rebuilds the noise from it (fxopt.checkpointing._dropout_replay).
 
 The body's modules and tensors are the parent graph's own (not registered a second time), so
 `state_dict()` keeps the original keys. Before / after::
@@ -36,13 +36,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .. import _torch_private
-from ..analysis import batch_norm_replay
-from ..analysis.dropout_replay import draw, replay, replayable_dropouts
+from . import _batch_norm_replay as batch_norm_replay
+from ._dropout_replay import draw, replay, replayable_dropouts
 from ..analysis.flops import is_counted_op
-from ..analysis.kept_outputs import ConvolutionCall, ProductCall, outputs_kept_by_region
+from ._kept_outputs import ConvolutionCall, ProductCall, outputs_kept_by_region
 from ..graph_functions import graph_function, importable_name
 from ..op_names import call_arguments
-from ._kept_outputs import convolution_once, product_once
+from ._kept_outputs_run import convolution_once, product_once
 from ._region_run import RegionRun, recomputed_as_saved
 
 
@@ -93,7 +93,7 @@ def batch_norm_once(x, running_mean, running_var, weight, bias, training, moment
 
 @graph_function(name="dropout")
 def dropout_once(x: torch.Tensor, p: float, key: str, run: RegionRun) -> torch.Tensor:
-    """A train-mode CPU dropout in a region (fxopt.analysis.dropout_replay): the first run draws the noise as
+    """A train-mode CPU dropout in a region (fxopt.checkpointing._dropout_replay): the first run draws the noise as
     ATen does and keeps its mask, a recomputation rebuilds the noise from the mask instead of drawing it."""
     if run.first:
         out, run.scratch[key] = draw(x, p)
@@ -164,7 +164,7 @@ def _batch_norm_once_call(body: fx.Graph, node: fx.Node, env: dict, run: fx.Node
 
 def _kept_output_call(body: fx.Graph, node: fx.Node, how: ConvolutionCall | ProductCall, env: dict,
                       run: fx.Node) -> fx.Node:
-    """The body's call of `node` keeping its output (`how`: fxopt.analysis.kept_outputs.kept_output)."""
+    """The body's call of `node` keeping its output (`how`: fxopt.checkpointing._kept_outputs.kept_output)."""
     target = node.target
     if not isinstance(target, _torch_private.op_overload_types()):
         target = importable_name(target)  # fx prints a function as an argument by name only

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .. import _torch_private
 from ..op_names import call_arguments
-from .shapes import tensor_meta
+from ..analysis.shapes import tensor_meta
 
 DROPOUT_FUNCTIONS = (torch.ops.aten.dropout.default, F.dropout, torch.dropout)
 

@@ -1,0 +1,1 @@
+"""Activation checkpointing: the step profile (facts), the planner, and its two lowerings."""
