@@ -84,8 +84,8 @@ def first_block_in_one_region(model: torch.nn.Module, x, blocks_path: str) -> tu
     graph_module = fxopt.optimize(wrapped, (hidden,), mode="training", passes=[]).graph_module
     profile = step_profile(graph_module)
     nodes = [step.node for step in profile.steps]
-    extract_region(graph_module, nodes, "checkpointed_block", save_counted=True,
-                   counted=[step.node for step in profile.steps if step.counted])
+    extract_region(graph_module, nodes, "checkpointed_block", save_compute_intensive=True,
+                   compute_intensive=[step.node for step in profile.steps if step.compute_intensive])
     graph_module.recompile()
     return wrapped, hidden, graph_module
 

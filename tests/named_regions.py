@@ -9,7 +9,7 @@ from fxopt.checkpointing.eager_region import extract_region
 
 
 def named_regions(profile: StepProfile, bounds, **kind) -> list[Region]:
-    """One Region per (first node name, last node name) in `bounds`, of the `kind` given (save_counted, ...)."""
+    """One Region per (first node name, last node name) in `bounds`, of the `kind` given (save_compute_intensive, ...)."""
     names = [s.node.name for s in profile.steps]
     return [Region(names.index(first), names.index(last) + 1, **kind) for first, last in bounds]
 
@@ -19,6 +19,6 @@ def extract_regions(gm: fx.GraphModule, profile: StepProfile, regions: list[Regi
     for r in regions:
         steps = profile.steps[r.start:r.stop]
         nodes = [s.node for s in steps]
-        extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", r.save_counted,
-                       r.replay_dropout, counted=[profile.steps[p].node for p in profile.kept_steps(r)])
+        extract_region(gm, nodes, f"checkpointed_{nodes[0].name}_to_{nodes[-1].name}", r.save_compute_intensive,
+                       r.replay_dropout, compute_intensive=[profile.steps[p].node for p in profile.kept_steps(r)])
     gm.recompile()

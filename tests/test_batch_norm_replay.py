@@ -94,13 +94,13 @@ class _FirstOutput(nn.Module):
         return out
 
 
-def _optimized_with_one_region(model: nn.Module, x: torch.Tensor, save_counted: bool, replayed: bool = True):
+def _optimized_with_one_region(model: nn.Module, x: torch.Tensor, save_compute_intensive: bool, replayed: bool = True):
     """`model` captured (on its own tensors), every node after its first convolution in one region of the given
     kind; its BatchNorms asserted `replayed` or not."""
     gm = exported_graph(model, (x,))
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert {replayed_batch_norm(n) for n in calls if "batch_norm" in n.name} == {replayed}
-    extract_region(gm, calls[1:], "checkpointed_blocks", save_counted)
+    extract_region(gm, calls[1:], "checkpointed_blocks", save_compute_intensive)
     gm.recompile()
     return _FirstOutput(gm)
 
@@ -122,15 +122,15 @@ def _two_steps(model: nn.Module, x: torch.Tensor, record: _BatchNormCalls | None
             **{f"buffer:{name(n)}": b for n, b in model.named_buffers()}}
 
 
-@pytest.mark.parametrize("save_counted", [False, True], ids=["whole", "selective"])
+@pytest.mark.parametrize("save_compute_intensive", [False, True], ids=["whole", "selective"])
 @pytest.mark.parametrize("strided", [False, True], ids=["replayed", "strided_recomputed"])
-def test_region_step_is_bit_exact_in_float32(strided, save_counted):
+def test_region_step_is_bit_exact_in_float32(strided, save_compute_intensive):
     """In float32 a region's step gives eager's outputs, gradients and running statistics bit for bit; its
     recomputation replays each BatchNorm (an eval-mode kernel call) or, on a strided input, computes the statistics
     again."""
     torch.manual_seed(0)
     model, x = _Blocks(strided).train(), torch.randn(2, 8, 12, 12)
-    opt = _optimized_with_one_region(model, x, save_counted, replayed=not strided)
+    opt = _optimized_with_one_region(model, x, save_compute_intensive, replayed=not strided)
     record = _BatchNormCalls()
     expected, got = _two_steps(model, x), _two_steps(opt, x, record)
     assert expected.keys() == got.keys()
@@ -144,7 +144,7 @@ def test_double_backward_matches_eager():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Tanh(), nn.Conv2d(4, 2, 1)).double().train()
     x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
-    opt = _optimized_with_one_region(model, x, save_counted=False)
+    opt = _optimized_with_one_region(model, x, save_compute_intensive=False)
 
     def grad_of_grad(m):
         xx = x.clone().requires_grad_()

@@ -95,7 +95,7 @@ def test_dropout_replayed_from_its_mask_draws_the_same_stream():
     model, x = deep_mlp(depth=3, width=64, p=0.3).double(), torch.randn(32, 64, dtype=torch.float64)
     gm = exported_graph(model, (x,))
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    extract_region(gm, calls, "checkpointed_all", save_counted=False, replay_dropout=True)
+    extract_region(gm, calls, "checkpointed_all", save_compute_intensive=False, replay_dropout=True)
     gm.recompile()
     assert "dropout_once" in gm.checkpointed_all.body.code
     results = []
@@ -137,7 +137,7 @@ def test_dropout_before_another_random_op_is_drawn_again(attention_p):
     x = torch.randn(4, 6, 16, dtype=torch.float64)
     gm = exported_graph(model, (x,))
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    extract_region(gm, calls, "checkpointed_all", save_counted=False, replay_dropout=True)
+    extract_region(gm, calls, "checkpointed_all", save_compute_intensive=False, replay_dropout=True)
     gm.recompile()
     assert ("dropout_once" in gm.checkpointed_all.body.code) == (attention_p == 0)
     grads = []
@@ -290,7 +290,7 @@ def test_inplace_op_joins_only_a_region_that_made_what_it_writes():
     writes = KeptWrites(gm, profile)
     assert writes.write_inside(Region(at["mul_"], at["mul_"] + 1)) is not None  # add made h outside
     assert writes.write_inside(Region(at["add"], at["mul_"] + 1)) is None  # the region makes h itself
-    assert writes.write_inside(Region(at["linear"], at["mul_"] + 1, save_counted=True)) is None  # h: not cached
+    assert writes.write_inside(Region(at["linear"], at["mul_"] + 1, save_compute_intensive=True)) is None  # h: not cached
     torch.manual_seed(0)
     model, x = Mutating(), torch.randn(32, 64)
     opt = _optimize(model, (x,), 0.2)
@@ -322,10 +322,10 @@ def test_selective_region_never_writes_its_cached_output():
     at = {s.node.name: p for p, s in enumerate(profile.steps)}
     writes = KeptWrites(gm, profile)
     assert writes.write_inside(Region(at["linear"], at["mul_"] + 1)) is None
-    value, writer = writes.write_inside(Region(at["linear"], at["mul_"] + 1, save_counted=True))
+    value, writer = writes.write_inside(Region(at["linear"], at["mul_"] + 1, save_compute_intensive=True))
     assert (value.name, writer.name) == ("linear", "mul_")
     # ending at the linear, which checkpoint's early stop never recomputes, it keeps nothing of h: no conflict
-    assert writes.conflict(Region(at["tanh"], at["linear"] + 1, save_counted=True)) is None
+    assert writes.conflict(Region(at["tanh"], at["linear"] + 1, save_compute_intensive=True)) is None
 
 
 @torch.library.custom_op("fxopt_test_checkpoint::scale", mutates_args=())

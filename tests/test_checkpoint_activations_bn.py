@@ -116,7 +116,7 @@ def _regions(opt):
             if name.rpartition(".")[2].startswith("checkpointed_")]
 
 
-def _checkpoint_runs(gm, save_counted):
+def _checkpoint_runs(gm, save_compute_intensive):
     """Every maximal run of nodes the pass may recompute becomes one region of the given kind."""
     root = getattr(gm, "graph_module", gm)  # fxopt.optimize's result holds its graph beside itself
     graphs = [g for m in root.modules() for g in (m, m.__dict__.get("graph_module"))  # and so does a child's
@@ -131,7 +131,7 @@ def _checkpoint_runs(gm, save_counted):
                 runs.append(run)
                 run = []
         for k, nodes in enumerate(r for r in runs + [run] if len(r) > 1):
-            extract_region(graph, nodes, f"checkpointed_run{k}", save_counted)
+            extract_region(graph, nodes, f"checkpointed_run{k}", save_compute_intensive)
             made += 1
         graph.recompile()
     assert made
@@ -141,14 +141,14 @@ def _checkpoint_runs(gm, save_counted):
 # ---- the tests ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("save_counted", [False, True], ids=["whole", "selective"])
+@pytest.mark.parametrize("save_compute_intensive", [False, True], ids=["whole", "selective"])
 @pytest.mark.parametrize("name", NETWORKS)
-def test_batch_norm_in_every_region_kind(name, save_counted):
+def test_batch_norm_in_every_region_kind(name, save_compute_intensive):
     """Regions holding train-mode BatchNorm (whole or selective) give eager's step: stats move once, same RNG."""
     model, x = _network(name)
     example = x.clone().requires_grad_()  # as the steps call it: no recompile, which would drop the regions
     captured = fxopt.optimize(copy.deepcopy(model), (example,), mode="training", passes=[])
-    regions = _checkpoint_runs(captured, save_counted)
+    regions = _checkpoint_runs(captured, save_compute_intensive)
     assert not any("aten.add_" in r.body.code for r in _regions(regions))  # num_batches_tracked: in front of them
     assert_same_steps(model, regions, x, in_place=True)  # a copy would compile afresh, without the regions
     assert len(captured.fxopt_reports) == 1
@@ -163,27 +163,27 @@ def test_default_pipeline_with_budget(name, budget):
     assert_same_steps(model, opt, x)
 
 
-@pytest.mark.parametrize("save_counted", [False, True], ids=["whole", "selective"])
-def test_exported_graph_batch_norm(save_counted):
+@pytest.mark.parametrize("save_compute_intensive", [False, True], ids=["whole", "selective"])
+def test_exported_graph_batch_norm(save_compute_intensive):
     """torch.export's ATen form (aten.batch_norm with its stats, aten.add_ on num_batches_tracked) in a region."""
     model, x = _network("conv_bn_relu_dropout")
     gm = torch.export.export(model, (x,), strict=False).module()
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    extract_region(gm, calls, "checkpointed_all", save_counted)
+    extract_region(gm, calls, "checkpointed_all", save_compute_intensive)
     gm.recompile()
     assert "batch_norm_once" in gm.checkpointed_all.body.code
     assert "add_" not in gm.checkpointed_all.body.code  # num_batches_tracked moves in front of the region
     assert_same_steps(model, gm, x)
 
 
-@pytest.mark.parametrize("save_counted", [False, True], ids=["whole", "selective"])
-def test_batch_norm_frozen_at_optimize_then_unfrozen(save_counted):
+@pytest.mark.parametrize("save_compute_intensive", [False, True], ids=["whole", "selective"])
+def test_batch_norm_frozen_at_optimize_then_unfrozen(save_compute_intensive):
     """A BN in eval mode when regions were made, switched to train later, still updates its stats once a step."""
     model, x = _network("mobilenet_blocks")
     model.eval()
     example = x.clone().requires_grad_()  # as the steps call it: no recompile, which would drop the regions
     regions = _checkpoint_runs(fxopt.optimize(copy.deepcopy(model), (example,), mode="training", passes=[]),
-                               save_counted)
+                               save_compute_intensive)
     assert_same_steps(model, regions, x, in_place=True)  # eval-mode BN inside regions: no statistics move
     assert len(regions.fxopt_reports) == 1
     opt = fxopt.optimize(copy.deepcopy(model), (x,), mode="training", memory_budget=0.2)

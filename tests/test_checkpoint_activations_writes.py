@@ -64,37 +64,37 @@ def _captured(shape):
     return model, x, exported_graph(model, (x,))
 
 
-def _region(profile, first, last, save_counted):
+def _region(profile, first, last, save_compute_intensive):
     names = [s.node.name for s in profile.steps]
-    return Region(names.index(first), names.index(last) + 1, save_counted)
+    return Region(names.index(first), names.index(last) + 1, save_compute_intensive)
 
 
-@pytest.mark.parametrize("save_counted", [False, True], ids=["whole", "selective"])
+@pytest.mark.parametrize("save_compute_intensive", [False, True], ids=["whole", "selective"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_region_keeping_a_later_written_tensor_is_refused(shape, save_counted):
+def test_region_keeping_a_later_written_tensor_is_refused(shape, save_compute_intensive):
     """The analysis names the kept value and its later writer for the region eager would crash in."""
     _, _, gm = _captured(shape)
     profile = step_profile(gm)
     _, (first, last), kept, writer = SHAPES[shape]
-    region = _region(profile, first, last, save_counted)
-    if shape == "output_written_later" and not save_counted:
+    region = _region(profile, first, last, save_compute_intensive)
+    if shape == "output_written_later" and not save_compute_intensive:
         assert KeptWrites(gm, profile).conflict(region) is None  # a whole region recomputes fc1: fine
         return
     value, by = KeptWrites(gm, profile).conflict(region)
     assert (value.name, by.name) == (kept, writer)
 
 
-@pytest.mark.parametrize("save_counted", [False, True], ids=["whole", "selective"])
+@pytest.mark.parametrize("save_compute_intensive", [False, True], ids=["whole", "selective"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_such_a_region_would_break_backward(shape, save_counted):
+def test_such_a_region_would_break_backward(shape, save_compute_intensive):
     """Why the rule exists: made anyway, the region fails in backward (or silently differs), where eager runs."""
     model, x, gm = _captured(shape)
     _, (first, last), _, _ = SHAPES[shape]
-    if shape == "output_written_later" and not save_counted:
+    if shape == "output_written_later" and not save_compute_intensive:
         pytest.skip("a whole region recomputes its output: nothing kept is written")
     nodes = list(gm.graph.nodes)
     names = [n.name for n in nodes]
-    extract_region(gm, nodes[names.index(first):names.index(last) + 1], "checkpointed_bad", save_counted)
+    extract_region(gm, nodes[names.index(first):names.index(last) + 1], "checkpointed_bad", save_compute_intensive)
     gm.recompile()
     with pytest.raises((RuntimeError, AssertionError)):
         assert_same_step(model, gm, (x,), training=True)

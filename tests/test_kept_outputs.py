@@ -65,7 +65,7 @@ def _one_selective_region(model: nn.Module, x: torch.Tensor, keep_costly_only: b
     """`model` captured (_as_model), all its nodes in one selective region that keeps what the memory model counts."""
     gm = _as_model(model, x)
     profile = step_profile(gm)
-    extract_regions(gm, profile, [Region(0, len(profile.steps), save_counted=True, keep_costly_only=keep_costly_only)])
+    extract_regions(gm, profile, [Region(0, len(profile.steps), save_compute_intensive=True, keep_costly_only=keep_costly_only)])
     return gm
 
 
@@ -281,7 +281,7 @@ def test_region_price_per_op():
     for opt, expected in ((linear, 1e-6), (head, 3e-5)):
         profile = step_profile(opt.graph_module)
         profile.overhead = overhead
-        assert profile.overhead_per_op(Region(0, len(profile.steps), save_counted=True)) == expected
+        assert profile.overhead_per_op(Region(0, len(profile.steps), save_compute_intensive=True)) == expected
         assert profile.overhead_per_op(Region(0, len(profile.steps))) == 1e-6
 
 
@@ -350,7 +350,7 @@ def test_products_step_is_bit_exact_in_float32(kind):
 
 def test_region_keeping_costly_products_only_is_bit_exact():
     """A region over attention with four narrow heads that keeps its costly products only recomputes the score
-    matmul (light: StepProfile.light) and keeps the rest, and two training steps give eager's outputs and gradients
+    matmul (light: StepProfile.cheap_to_recompute) and keeps the rest, and two training steps give eager's outputs and gradients
     bit for bit."""
     torch.manual_seed(0)
     model, x = _Products(_narrow_heads_attention, {n: (16, 16) for n in "qkv"}).train(), torch.randn(2, 24, 16)
@@ -463,7 +463,7 @@ def test_torch_function_graph_keeps_its_products_and_convolutions():
     x = torch.randn(2, 8, 6, 6, dtype=torch.float64)
     gm = function_form(model, (x,))
     profile = step_profile(gm)
-    extract_regions(gm, profile, [Region(0, len(profile.steps), save_counted=True)])
+    extract_regions(gm, profile, [Region(0, len(profile.steps), save_compute_intensive=True)])
     (region,) = [m for m in gm.modules() if isinstance(m, CheckpointedRegion)]
     assert region.kind == "selective (matmul/conv outputs kept by the region)"
     assert_same_step(model, gm, (x,), training=True, rtol=0, atol=1e-12)

@@ -86,14 +86,14 @@ def test_selective_regions_over_whole_layers_do_not_cache_the_copies():
 
 def test_score_matmul_is_the_light_step():
     """Of the products of attention over a sequence longer than the heads are wide, the score matmul alone is
-    light: cheap to recompute for the sequence-square it would keep (StepProfile.light), whether the profile is
+    light: cheap to recompute for the sequence-square it would keep (StepProfile.cheap_to_recompute), whether the profile is
     priced by a clock or by FLOPs (what a region keeps must not depend on its price)."""
     torch.manual_seed(0)
     model, x = torch.nn.Sequential(Attention(), Attention()).train(), torch.randn(2, 200, 256)
     profile = step_profile(fxopt.optimize(model, (x,), mode="training", passes=[]).graph_module, timed=True)
     assert profile.timed
     for priced in (profile, untimed(profile)):
-        assert [s.node.name for s, light in zip(priced.steps, priced.light) if light] == ["matmul", "matmul_2"]
+        assert [s.node.name for s, light in zip(priced.steps, priced.cheap_to_recompute) if light] == ["matmul", "matmul_2"]
 
 
 def test_region_keeping_costly_ops_only_recomputes_the_scores():
@@ -114,7 +114,7 @@ def test_region_ending_in_a_product_does_not_keep_it():
     opt, _ = _graph(depth=3)
     profile = step_profile(opt.graph_module)
     kept = [[profile.steps[p].node.name for p in profile.kept_steps(r)]
-            for r in named_regions(profile, bounds, save_counted=True)]
+            for r in named_regions(profile, bounds, save_compute_intensive=True)]
     assert kept == [["linear", "linear_1"], ["linear_3", "linear_4"], ["linear_6", "linear_7"]]
 
 
@@ -122,7 +122,7 @@ def _predicted_and_measured_forward_peak(bounds, **kind) -> tuple[int, int]:
     """Selective regions (first node, last node) on three attention layers: estimated and measured forward peak."""
     opt, x = _graph(depth=3)
     profile = step_profile(opt.graph_module)
-    regions = named_regions(profile, bounds, save_counted=True, **kind)
+    regions = named_regions(profile, bounds, save_compute_intensive=True, **kind)
     predicted = estimate(profile, regions).forward_peak
     extract_regions(opt.graph_module, profile, regions)
     return predicted, _allocator_forward_peak(opt, x)
@@ -178,7 +178,7 @@ def test_selective_regions_drop_their_cached_outputs_while_recomputing(bounds):
     model, x = torch.nn.Sequential(*[Attention() for _ in range(3)], _MeanSquare()).train(), torch.randn(4, 64, 256)
     opt = fxopt.optimize(model, (x,), mode="training", passes=[])
     profile = step_profile(opt.graph_module)
-    regions = named_regions(profile, bounds, save_counted=True)
+    regions = named_regions(profile, bounds, save_compute_intensive=True)
     predicted = estimate(profile, regions).peak
     extract_regions(opt.graph_module, profile, regions)
     assert predicted == pytest.approx(measure_allocator_peak(opt, (x,)), rel=0.1)

@@ -47,33 +47,33 @@ def _conv_bn_relu_blocks():
     return fxopt.optimize(model, (x,), mode="training", passes=[]), x
 
 
-def _per_block_regions(profile, save_counted: bool) -> list[Region]:
+def _per_block_regions(profile, save_compute_intensive: bool) -> list[Region]:
     """A region over each Conv-BN-ReLU block after the first convolution."""
     convs = [p for p, s in enumerate(profile.steps) if s.node.name.startswith("conv2d")][1:]
-    return [Region(start, stop, save_counted) for start, stop in zip(convs, [*convs[1:], len(profile.steps)])]
+    return [Region(start, stop, save_compute_intensive) for start, stop in zip(convs, [*convs[1:], len(profile.steps)])]
 
 
-@pytest.mark.parametrize("save_counted", [False, True], ids=["whole", "selective"])
-def test_regions_over_batch_norm_blocks_predicted_exactly(save_counted):
+@pytest.mark.parametrize("save_compute_intensive", [False, True], ids=["whole", "selective"])
+def test_regions_over_batch_norm_blocks_predicted_exactly(save_compute_intensive):
     """A region over each Conv-BN-ReLU block keeps, until its backward ends, the checkpoint's copy of the RNG state
     and what its BatchNorm's recomputation replays from (fxopt.checkpointing._batch_norm_replay): counted, the predicted step peak is the allocator's but
     for the loss and its gradient, two scalars outside the graph (without them 22 KB under)."""
     opt, x = _conv_bn_relu_blocks()
     profile = step_profile(opt.graph_module)
-    regions = _per_block_regions(profile, save_counted)
+    regions = _per_block_regions(profile, save_compute_intensive)
     predicted = estimate(profile, regions).peak
     extract_regions(opt.graph_module, profile, regions)
     assert 0 <= measure_allocator_peak(opt, (x,)) - predicted <= 8
 
 
-@pytest.mark.parametrize("save_counted", [None, False, True], ids=["no_regions", "whole", "selective"])
-def test_caller_loss_predicted_exactly(save_counted):
+@pytest.mark.parametrize("save_compute_intensive", [None, False, True], ids=["no_regions", "whole", "selective"])
+def test_caller_loss_predicted_exactly(save_compute_intensive):
     """With the caller's loss in the step (a mean of squares, which holds four output-sized tensors at its backward's
     peak, beside everything the graph keeps), the predicted step peak is the allocator's but for two scalars
     (without the loss's moment, 115 KB under without regions)."""
     opt, x = _conv_bn_relu_blocks()
     profile = step_profile(opt.graph_module, caller_loss=True)
-    regions = [] if save_counted is None else _per_block_regions(profile, save_counted)
+    regions = [] if save_compute_intensive is None else _per_block_regions(profile, save_compute_intensive)
     predicted = estimate(profile, regions).peak
     extract_regions(opt.graph_module, profile, regions)
     assert 0 <= measure_allocator_peak(opt, (x,), forward=lambda x: (opt(x) ** 2).mean()) - predicted <= 8

@@ -97,7 +97,7 @@ def test_selective_region_holds_its_dropout_masks_to_the_end(bounds):
     model, tokens = LastHiddenState(transformers.GPT2Model(config)).train(), torch.randint(0, 100, (4, 128))
     opt = fxopt.optimize(model, (tokens,), mode="training", passes=[])
     profile = step_profile(opt.graph_module)
-    regions = named_regions(profile, [bounds], save_counted=True)
+    regions = named_regions(profile, [bounds], save_compute_intensive=True)
     predicted = estimate(profile, regions).peak
     extract_regions(opt.graph_module, profile, regions)
     assert predicted == pytest.approx(measure_allocator_peak(opt, (tokens,)), rel=0.001)

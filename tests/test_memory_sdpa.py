@@ -154,7 +154,7 @@ def test_no_selective_region_sees_inside_the_math_path():
     for dropout, sees_inside in ((0.0, False), (0.1, True)):
         profile = step_profile(fxopt.optimize(_model(dropout=dropout), (x,), mode="training",
                                               passes=[]).graph_module)
-        (region,) = named_regions(profile, (("linear", "add"),), save_counted=True)
+        (region,) = named_regions(profile, (("linear", "add"),), save_compute_intensive=True)
         assert profile.policy_sees_inside(region) is sees_inside
 
 

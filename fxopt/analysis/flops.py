@@ -3,7 +3,7 @@
 `node_flops(gm)` runs each node that may count on the fake values of its arguments
 (`node.meta["val"]`, which shape propagation or export left on every node; no real compute, no real
 memory) under a FlopCounterMode, and returns {node name: forward FLOPs}. FlopCounterMode counts
-matrix products, convolutions and attention (`is_counted_op`), also inside what a
+matrix products, convolutions and attention (`is_compute_intensive_op`), also inside what a
 CompositeImplicitAutograd op (`conv2d`, `linear`) decomposes into; any other ATen op (pointwise ops,
 normalisation, reductions) counts 0, so it is not run; a convolution is counted by FlopCounterMode's
 own formula from the shapes (HF MobileNetV2: 0.02 s instead of 0.23-0.58 s). A graph whose values
@@ -22,7 +22,7 @@ from .costs import fake_call_arguments, placeholder_values
 from .ops import match_conv
 
 
-def is_counted_op(op) -> bool:
+def is_compute_intensive_op(op) -> bool:
     """True for the aten ops FlopCounterMode counts: matmuls, convolutions, attention."""
     return getattr(op, "overloadpacket", op) in flop_registry
 
@@ -67,7 +67,7 @@ def _may_count(target) -> bool:
     """Whether FlopCounterMode may count FLOPs when `target` runs: anything but an ATen op outside its registry
     that does not decompose, or decomposes into nothing it counts."""
     overload, _packet = _torch_private.op_overload_types()
-    if not isinstance(target, overload) or is_counted_op(target):
+    if not isinstance(target, overload) or is_compute_intensive_op(target):
         return True  # a Python function may call anything
     return _torch_private.decomposed_at_runtime(target) and target.overloadpacket.__name__ not in _DECOMPOSE_UNCOUNTED
 

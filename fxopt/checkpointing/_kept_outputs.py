@@ -14,7 +14,7 @@ at full speed under a plain checkpoint.
 `kept_convolution(node)` gives the operands and arguments of such a convolution (a batched one whose padding is
 numbers, not "same"/"valid"), or None; `kept_product(node)` the kind and operands of such a product, or None;
 `kept_output(node)` either;
-`outputs_kept_by_region(counted)` says whether a region keeps its ops' outputs so, the one rule both the region
+`outputs_kept_by_region(compute_intensive)` says whether a region keeps its ops' outputs so, the one rule both the region
 (fxopt.checkpointing.eager_region) and its price (fxopt.checkpointing.profile) follow.
 """
 from __future__ import annotations
@@ -136,9 +136,9 @@ def kept_output(node: fx.Node) -> ConvolutionCall | ProductCall | None:
     return kept_convolution(node) or kept_product(node)
 
 
-def outputs_kept_by_region(counted: Iterable[fx.Node]) -> dict[fx.Node, ConvolutionCall | ProductCall] | None:
+def outputs_kept_by_region(compute_intensive: Iterable[fx.Node]) -> dict[fx.Node, ConvolutionCall | ProductCall] | None:
     """The ops a selective region keeps the outputs of itself, each with how (kept_output), when every op it keeps
-    (`counted`: the matmuls, convolutions and attention it holds) is one; else None: torch's selective checkpoint
+    (`compute_intensive`: the matmuls, convolutions and attention it holds) is one; else None: torch's selective checkpoint
     keeps them."""
-    kept = {node: kept_output(node) for node in counted}
+    kept = {node: kept_output(node) for node in compute_intensive}
     return None if None in kept.values() else kept

@@ -42,7 +42,7 @@ def calibration_span(profile: StepProfile, boundaries: list[int], checkpointable
     if there is none)."""
     firsts = ((a, next((b for b in boundaries if b >= a + 3), None)) for a in boundaries)
     spans = [(a, b) for a, b in firsts if b is not None and all(checkpointable[a:b])
-             and allowed(Region(a, b)) and allowed(Region(a, b, save_counted=True))]
+             and allowed(Region(a, b)) and allowed(Region(a, b, save_compute_intensive=True))]
     if not spans:
         return None
 
@@ -69,14 +69,14 @@ def calibrated_overhead(gm: fx.GraphModule, profile: StepProfile, span: Region) 
     """The profile's overhead with each kind's per-region part measured on the graph's block `span` (see module
     docstring); None where the block cannot run on such tensors."""
     steps = profile.steps[span.start:span.stop]
-    nodes, counted = [s.node for s in steps], {s.node.name for s in steps if s.counted}
+    nodes, intensive = [s.node for s in steps], {s.node.name for s in steps if s.compute_intensive}
     variants = {}
     for kind in ("plain", "whole", "selective"):
         block, examples = _block(gm, nodes)
         if kind != "plain":
             calls = [n for n in block.graph.nodes if n.op == "call_function"]  # copies of `nodes`, under their names
             extract_region(block, calls, "region", kind == "selective",
-                           counted=[call for call in calls if call.name in counted])
+                           compute_intensive=[call for call in calls if call.name in intensive])
             block.recompile()
         variants[kind] = block
     clock, times = step_clock(), {kind: [] for kind in variants}
@@ -98,7 +98,7 @@ def calibrated_overhead(gm: fx.GraphModule, profile: StepProfile, span: Region) 
     plain, per_region = statistics.median(times["plain"][1:]), {}
     chain = {"whole": profile.overhead.per_region, "selective": profile.overhead.selective_per_region}
     for kind in ("whole", "selective"):
-        region = span._replace(save_counted=kind == "selective")
+        region = span._replace(save_compute_intensive=kind == "selective")
         recomputed = (profile.region_cost(region) - profile.overhead_ns(region)) / 1e9
         extra = statistics.median(times[kind][1:]) - plain - recomputed
         # never below the chain's figure, a floor (HF ViT's 3-step block measured less than its predicted recompute)

@@ -1,6 +1,6 @@
 """A checkpointed region of a graph: its nodes moved into a GraphModule run under torch.utils.checkpoint.
 
-`extract_region(gm, nodes, name, save_counted)` moves a contiguous run of call nodes into
+`extract_region(gm, nodes, name, save_compute_intensive)` moves a contiguous run of call nodes into
 `CheckpointedRegion(body)`, registered on `gm` as submodule `name`, and calls it in their
 place. The region runs under non-reentrant `torch.utils.checkpoint.checkpoint`, which keeps
 only the region's inputs (and restores the RNG state before recomputing, so dropout draws the
@@ -9,7 +9,7 @@ its running statistics move once per step, as without checkpointing, and checkpo
 tensors on both runs: a train-mode one on a contiguous float CPU input keeps its batch statistics from the
 region's first run and its recomputation maps the input with them, bit for bit as ATen did
 (fxopt.checkpointing._batch_norm_replay); any other runs as written on the first run and, in train mode, on
-throwaway copies of the running statistics when recomputed. With `save_counted`, a selective checkpoint policy
+throwaway copies of the running statistics when recomputed. With `save_compute_intensive`, a selective checkpoint policy
 also keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and
 recomputes only the rest; where every op it keeps is a convolution or a matrix product, the region keeps their
 outputs itself (`convolution_once` / `product_once`: fxopt.checkpointing._kept_outputs_run, fxopt.checkpointing._kept_outputs) and
@@ -38,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from .. import _torch_private
 from . import _batch_norm_replay as batch_norm_replay
 from ._dropout_replay import draw, replay, replayable_dropouts
-from ..analysis.flops import is_counted_op
+from ..analysis.flops import is_compute_intensive_op
 from ._kept_outputs import ConvolutionCall, ProductCall, outputs_kept_by_region
 from ..graph_functions import graph_function, importable_name
 from ..op_names import call_arguments
@@ -47,7 +47,7 @@ from ._region_run import RegionRun, recomputed_as_saved
 
 
 def _save_counted_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if is_counted_op(op) else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if is_compute_intensive_op(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 BATCH_NORM_FUNCTIONS = (F.batch_norm, torch.batch_norm, torch.ops.aten.batch_norm.default)
@@ -201,13 +201,13 @@ def read_outside(nodes: list[fx.Node]) -> list[fx.Node]:
     return [n for n in nodes if any(u not in members for u in n.users)]
 
 
-def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_counted: bool,
-                   replay_dropout: bool = True, counted: Iterable[fx.Node] | None = None) -> fx.Node:
+def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_compute_intensive: bool,
+                   replay_dropout: bool = True, compute_intensive: Iterable[fx.Node] | None = None) -> fx.Node:
     """Replace `nodes` (contiguous in graph order) with one call of a CheckpointedRegion; return that call.
     `replay_dropout`: its CPU dropouts keep their masks (dropout_once), else they draw again. A selective region
-    (`save_counted`) keeps the outputs of `counted` (the matmuls, convolutions and attention among `nodes` that
+    (`save_compute_intensive`) keeps the outputs of `compute_intensive` (the matmuls, convolutions and attention among `nodes` that
     StepProfile.kept_steps names): itself where it can keep each (outputs_kept_by_region), else (or without
-    `counted`) by torch's selective checkpoint policy. The call (and its items) carry the `meta["val"]` of
+    `compute_intensive`) by torch's selective checkpoint policy. The call (and its items) carry the `meta["val"]` of
     the outputs they stand for: a region computes the same values.
 
     Lone state updates among them (is_lone_state_update) move in front of the call, run once."""
@@ -218,7 +218,7 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
     body = fx.Graph()
     batch_norms = {n for n in nodes if can_recompute_batch_norm(n)}
     dropouts = replayable_dropouts(nodes) if replay_dropout else {}
-    kept = outputs_kept_by_region(counted) if save_counted and counted is not None else None
+    kept = outputs_kept_by_region(compute_intensive) if save_compute_intensive and compute_intensive is not None else None
     run = body.placeholder("run") if batch_norms or dropouts or kept else None
     env = inputs_of_graph(body, nodes)
     inputs = [a for a in env if a.op != "get_attr"]
@@ -234,7 +234,7 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node], name: str, save_cou
         env[node].meta.update(node.meta)
     outputs = read_outside(nodes)
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
-    policy = _save_counted_ops if save_counted and kept is None else None
+    policy = _save_counted_ops if save_compute_intensive and kept is None else None
     gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, "Region"), policy,
                                               bool(batch_norms or dropouts or kept)))
     with gm.graph.inserting_before(nodes[0]):

@@ -3,7 +3,7 @@
 A plan cuts the steps (call nodes in execution order) into segments: a plain step, or a
 region [start, stop) of checkpointable steps, either recomputed whole or selectively (matmul,
 conv and attention outputs saved, everything else recomputed; or only the costly ones of those
-saved, the light ones recomputed too: StepProfile.light). Walking the plan in forward
+saved, the cheap ones recomputed too: StepProfile.cheap_to_recompute). Walking the plan in forward
 order, `fxopt.checkpointing.profile.segment_effect` gives the backward peak inside each segment from
 two numbers: the bytes kept so far and which kept tensors later steps may still read (so a
 tensor saved by two nodes counts once). That makes the problem a shortest path:
@@ -135,16 +135,16 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
 
     def variants(start: int, stop: int) -> list[Region]:
         """The allowed regions [start, stop): whole, and selective where it has a matmul to keep, also keeping
-        only the costly ones where it has light ones too (StepProfile.light); with dropouts, also whole with them
+        only the costly ones where it has cheap ones too (StepProfile.cheap_to_recompute); with dropouts, also whole with them
         drawn again (no mask kept: the least memory)."""
         if (start, stop) not in variants_cache:
             replay = profile.has_replayable_dropout(Region(start, stop))
             whole = Region(start, stop, replay_dropout=replay)
-            selective = Region(start, stop, save_counted=True, replay_dropout=replay)
+            selective = Region(start, stop, save_compute_intensive=True, replay_dropout=replay)
             costly = selective._replace(keep_costly_only=True)
             tried = [whole] + [r for r in (selective, costly) if profile.region_cost(r) < profile.region_cost(whole)]
             if len(tried) == 3 and profile.kept_steps(costly) == profile.kept_steps(selective):
-                tried.pop()  # no light step kept: the same region
+                tried.pop()  # no cheap step kept: the same region
             if replay:
                 tried.append(Region(start, stop, replay_dropout=False))
             variants_cache[start, stop] = [r for r in tried if allowed(r)]

@@ -72,7 +72,7 @@ STATE = "checkpoint_state"  # the key (STATE, start, stop): what the region over
 CALLER_LOSS_TENSORS = 4  # output-sized tensors the caller's loss holds at its backward's peak (module docstring)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Step:
     """One call node, at its position in execution order."""
 
@@ -81,7 +81,7 @@ class Step:
     reads: frozenset  # storages of its tensor inputs that cost memory
     saved: frozenset  # storages autograd keeps for its backward
     flops: int  # forward FLOPs (FlopCounterMode)
-    counted: bool  # a matmul / conv / attention: the ops a selective region saves
+    compute_intensive: bool  # a matmul / conv / attention: the ops a selective region saves
     seconds: float | None = None  # its forward's measured time (fxopt.analysis.op_times), if measured
     mask: frozenset = frozenset()  # a dropout a region may replay: its mask's key (fxopt.checkpointing._dropout_replay)
     replay_seconds: float | None = None  # the measured time of recomputing it from what a region keeps (a dropout's
@@ -91,11 +91,11 @@ class Step:
     # scratch; fxopt.analysis.backward_temporaries for other ops)
     region_state: int = 0  # what a region holding it keeps from its forward to its backward's end: of a train-mode
     # BatchNorm, what it replays from or copies of its running statistics (batch_norm_once)
-    packs: bool = False  # autograd saves some tensor for its backward, a parameter or graph input (not in `saved`:
+    saves_for_backward: bool = False  # autograd saves some tensor for its backward, a parameter or graph input (not in `saved`:
     # they cost no memory) included: what checkpoint's early stop counts
     memory_known: bool = True  # what it keeps comes from the saved-tensors table or a measurement, not a guess
     # (fxopt.analysis.saved_tensors: an op neither knows, or attention that could not be run to measure it)
-    runs_as_ops: bool = False  # a counted op autograd records as several ops (attention's math path): torch's
+    runs_as_ops: bool = False  # a compute-intensive op autograd records as several ops (attention's math path): torch's
     # selective checkpoint policy sees the products inside it and keeps those, not its output (policy_sees_inside)
 
     @property
@@ -118,14 +118,14 @@ class Step:
 
 
 class Region(NamedTuple):
-    """Steps [start, stop) recomputed in backward; `save_counted`: except matmul/conv/attention outputs;
+    """Steps [start, stop) recomputed in backward; `save_compute_intensive`: except matmul/conv/attention outputs;
     `replay_dropout`: its CPU dropouts keep their masks and replay from them (else they draw again);
-    `keep_costly_only`: with `save_counted`, the light ones among those (StepProfile.light) are recomputed too.
+    `keep_costly_only`: with `save_compute_intensive`, the cheap ones among those (StepProfile.cheap_to_recompute) are recomputed too.
     A tuple: the planner hashes one per candidate and label."""
 
     start: int
     stop: int
-    save_counted: bool = False
+    save_compute_intensive: bool = False
     replay_dropout: bool = True
     keep_costly_only: bool = False
 
@@ -150,7 +150,7 @@ class StepProfile:
 
     def region_keeps(self, r: Region) -> frozenset:
         """What a region keeps for backward: its inputs, its checkpoint's state (`region_state`) and, if selective,
-        its counted ops' outputs."""
+        its compute-intensive ops' outputs."""
         return self._region_sets(r)[0]
 
     def region_state(self, r: Region) -> frozenset:
@@ -173,7 +173,7 @@ class StepProfile:
         if r not in self._regions:
             inputs, masks, recomputes, recomputed_bytes = self._span_sets(r.start, r.stop)
             keeps = inputs | self.region_state(r)
-            if r.save_counted:
+            if r.save_compute_intensive:
                 keeps = keeps | self._kept_outputs(r)
             if r.replay_dropout and masks:
                 keeps = keeps | masks
@@ -194,33 +194,33 @@ class StepProfile:
 
     def keeps_itself(self, r: Region) -> bool:
         """Whether a selective region over r's steps keeps its ops' outputs itself (outputs_kept_by_region): every
-        counted step its recomputation runs is one it can keep; else torch's selective policy keeps them."""
+        compute-intensive step its recomputation runs is one it can keep; else torch's selective policy keeps them."""
         return self._sum(self._counted_not_kept_prefix, self.recomputed_steps(r)) == 0
 
     def kept_steps(self, r: Region, early_stop: bool = True) -> list[int]:
-        """The counted steps whose outputs a selective region keeps, less the light ones with `keep_costly_only`.
+        """The compute-intensive steps whose outputs a selective region keeps, less the cheap ones with `keep_costly_only`.
 
         The one rule for both lowerings. An eager region (`early_stop`: torch.utils.checkpoint's recomputation
         stops early) that keeps them itself (keeps_itself) keeps those its recomputation runs (recomputed_steps):
         the early stop never reaches the others, which need nothing kept (the last linear of a transformer layer's
-        MLP); under torch's selective policy instead, every counted step's output. A partitioner's recomputation
-        (not `early_stop`) is tagged node by node, so it keeps every counted step of the region."""
-        if not r.save_counted:
+        MLP); under torch's selective policy instead, every compute-intensive step's output. A partitioner's recomputation
+        (not `early_stop`) is tagged node by node, so it keeps every compute-intensive step of the region."""
+        if not r.save_compute_intensive:
             return []
         if early_stop and not self.keeps_itself(r):
-            return [p for p in range(r.start, r.stop) if self.steps[p].counted]
+            return [p for p in range(r.start, r.stop) if self.steps[p].compute_intensive]
         steps = self.recomputed_steps(r) if early_stop else range(r.start, r.stop)
-        return [p for p in steps if self.steps[p].counted and not (r.keep_costly_only and self.light[p])]
+        return [p for p in steps if self.steps[p].compute_intensive and not (r.keep_costly_only and self.cheap_to_recompute[p])]
 
     def _kept_outputs(self, r: Region) -> frozenset:
-        """What a selective region keeps of its counted steps (kept_steps): their outputs, not the copies of inputs
+        """What a selective region keeps of its compute-intensive steps (kept_steps): their outputs, not the copies of inputs
         they save."""
         if r not in self._kept:
             self._kept[r] = frozenset(k for p in self.kept_steps(r) for k in self.steps[p].creates if not _is_copy(k))
         return self._kept[r]
 
     def _kept_prices(self, r: Region) -> tuple[int, int]:
-        """(recompute cost, FLOPs) of the counted steps a region keeps (kept_steps) that its recomputation would
+        """(recompute cost, FLOPs) of the compute-intensive steps a region keeps (kept_steps) that its recomputation would
         otherwise run."""
         if r not in self._kept_price:
             run = self.recomputed_steps(r)
@@ -239,7 +239,7 @@ class StepProfile:
         return range(r.start, last + 1 if self._saves_what_it_makes[last] else last)
 
     def region_cost(self, r: Region) -> int:
-        """Recompute cost of a region: every step it recomputes (recomputed_steps), less the counted ones a
+        """Recompute cost of a region: every step it recomputes (recomputed_steps), less the compute-intensive ones a
         selective region keeps and what replays save (Step.replay_saving: BatchNorms always, dropouts where the
         region keeps their masks), plus the region's own overhead."""
         run = self.recomputed_steps(r)
@@ -253,20 +253,20 @@ class StepProfile:
         """What the region costs beyond recomputing its ops (`overhead`), in region_cost's unit."""
         if self.overhead is None:
             return 0
-        per_region = self.overhead.selective_per_region if r.save_counted else self.overhead.per_region
+        per_region = self.overhead.selective_per_region if r.save_compute_intensive else self.overhead.per_region
         return round((per_region + self.overhead_per_op(r) * (r.stop - r.start)) * 1e9)
 
     def overhead_per_op(self, r: Region) -> float:
         """Seconds the region adds per op it holds: a selective one that keeps an op it cannot keep itself runs every
         op through torch's selective checkpoint dispatch mode (fxopt.checkpointing._kept_outputs)."""
-        dispatched = r.save_counted and not self.keeps_itself(r)
+        dispatched = r.save_compute_intensive and not self.keeps_itself(r)
         return self.overhead.selective_per_op if dispatched else self.overhead.per_op
 
     def policy_sees_inside(self, r: Region) -> bool:
         """Whether a selective region over r would run an op torch's policy sees as several (Step.runs_as_ops): it
         would keep the products inside that op, which this model does not describe, so the planner makes no such
         region."""
-        return r.save_counted and not self.keeps_itself(r) and self._sum(self._runs_as_ops_prefix, r) > 0
+        return r.save_compute_intensive and not self.keeps_itself(r) and self._sum(self._runs_as_ops_prefix, r) > 0
 
     def has_replayable_dropout(self, r: Region) -> bool:
         """Whether a region over r's steps may replay dropouts from masks: it has one, and no other op in it
@@ -274,7 +274,7 @@ class StepProfile:
         return self._sum(self._mask_prefix, r) > 0 and self._sum(self._unreplayed_random_prefix, r) == 0
 
     def region_flops(self, r: Region) -> int:
-        """FLOPs of the steps a region recomputes, less the counted ones a selective region keeps."""
+        """FLOPs of the steps a region recomputes, less the compute-intensive ones a selective region keeps."""
         return self._sum(self._flops_prefix, self.recomputed_steps(r)) - self._kept_prices(r)[1]
 
     def __post_init__(self):
@@ -296,10 +296,10 @@ class StepProfile:
         self._runs_as_ops_prefix = list(itertools.accumulate((s.runs_as_ops for s in self.steps), initial=0))
         self._flops_prefix = list(itertools.accumulate((s.flops for s in self.steps), initial=0))
         self._counted_not_kept_prefix = list(itertools.accumulate(
-            (s.counted and kept_output(s.node) is None for s in self.steps), initial=0))
-        self.light = _light_steps(self.steps, self.nbytes)  # per step: a light counted op (Region.keep_costly_only)
-        # [p]: the last step before p that saves a tensor (Step.packs)
-        self._last_saver = list(itertools.accumulate((p if s.packs else -1 for p, s in enumerate(self.steps)), max,
+            (s.compute_intensive and kept_output(s.node) is None for s in self.steps), initial=0))
+        self.cheap_to_recompute = _cheap_to_recompute_steps(self.steps, self.nbytes)  # per step (keep_costly_only)
+        # [p]: the last step before p that saves a tensor (Step.saves_for_backward)
+        self._last_saver = list(itertools.accumulate((p if s.saves_for_backward else -1 for p, s in enumerate(self.steps)), max,
                                                      initial=-1))
         self._saves_what_it_makes = [bool(s.saved & s.creates) for s in self.steps]
         # each step's backward holds the gradients and what it allocates beyond them (Step.backward_scratch)
@@ -343,8 +343,8 @@ class StepProfile:
         something has saved its inputs (checkpoint's early stop), so outputs of that step and later ones stay
         cached, and so do graph outputs. The masks of the dropouts it replays are not in that cache: the region
         holds them (RegionRun.scratch) until its backward ends, as it holds its inputs."""
-        saving = [q for q in range(r.start, r.stop) if self.steps[q].packs]
-        if not r.save_counted or not saving:
+        saving = [q for q in range(r.start, r.stop) if self.steps[q].saves_for_backward]
+        if not r.save_compute_intensive or not saving:
             return frozenset()
         made = frozenset().union(*(self.steps[q].creates for q in range(r.start, saving[-1])))
         return frozenset(k for k in made & self._kept_outputs(r) if self.last_read[k] < len(self.steps))
@@ -404,14 +404,14 @@ class StepProfile:
         return prefix[span.stop] - prefix[span.start]
 
 
-def _light_steps(steps: list[Step], nbytes: dict) -> list[bool]:
-    """Per step: whether it is a light counted step, one whose FLOPs per byte of its output are under half the
-    median of the counted steps'. Such an op is cheap to recompute for what keeping it holds (attention's score
+def _cheap_to_recompute_steps(steps: list[Step], nbytes: dict) -> list[bool]:
+    """Per step: whether it is a cheap step, one whose FLOPs per byte of its output are under half the
+    median of the compute-intensive steps'. Such an op is cheap to recompute for what keeping it holds (attention's score
     matmul: two 64-wide heads in, a sequence-square out), so a selective region may recompute it rather than keep it
     (Region.keep_costly_only). By FLOPs, not measured times: what a region keeps must not depend on how it is
     priced (StepProfile.repriced shares the memory caches)."""
     price = {p: s.flops / size for p, s in enumerate(steps)
-             if s.counted and (size := sum(nbytes[k] for k in s.outputs))}
+             if s.compute_intensive and (size := sum(nbytes[k] for k in s.outputs))}
     bar = statistics.median(price.values()) / 2 if price else 0
     return [price.get(p, bar) < bar for p in range(len(steps))]
 
@@ -509,19 +509,20 @@ def step_profile(gm: fx.GraphModule, timed: bool = False, caller_loss: bool = Fa
         reads = {_storage(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))} - free
         requires_grad = grad_needs.requires_grad
         saved = _saved_keys(node, free, nbytes, requires_grad) if node in needs_grad else set()
-        packs = node in needs_grad and (bool(saved) or _saves_any(node, requires_grad))
+        saves_for_backward = node in needs_grad and (bool(saved) or _saves_any(node, requires_grad))
         creates |= {k for k in saved if isinstance(k, tuple)}  # private buffers (masks) are made here
         mask = _replay_mask(node, nbytes)
         creates |= mask
         timed = seconds is not None
-        steps.append(Step(node, frozenset(creates), frozenset(reads & nbytes.keys()), frozenset(saved),
-                          flops.get(node.name, 0), flops.get(node.name, 0) > 0,
-                          seconds.get(node.name, 0.0) if timed else None, mask,
-                          seconds.get(replay_key(node.name)) if timed else None, outputs,
-                          _backward_scratch(node, grad_needs) if node in needs_grad else None,
-                          _statistics_kept(node), packs,
-                          node not in needs_grad or saved_for_backward(node, requires_grad).known,
-                          flops.get(node.name, 0) > 0 and _runs_as_ops(node, requires_grad)))
+        steps.append(Step(
+            node=node, creates=frozenset(creates), reads=frozenset(reads & nbytes.keys()), saved=frozenset(saved),
+            flops=flops.get(node.name, 0), compute_intensive=flops.get(node.name, 0) > 0,
+            seconds=seconds.get(node.name, 0.0) if timed else None, mask=mask,
+            replay_seconds=seconds.get(replay_key(node.name)) if timed else None, outputs=outputs,
+            backward_scratch=_backward_scratch(node, grad_needs) if node in needs_grad else None,
+            region_state=_statistics_kept(node), saves_for_backward=saves_for_backward,
+            memory_known=node not in needs_grad or saved_for_backward(node, requires_grad).known,
+            runs_as_ops=flops.get(node.name, 0) > 0 and _runs_as_ops(node, requires_grad)))
     last_read = {k: p for p, s in enumerate(steps) for k in s.creates}
     for p, s in enumerate(steps):
         for k in s.reads:

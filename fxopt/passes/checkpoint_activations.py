@@ -6,7 +6,7 @@ submodules (named `checkpointed_<first>_to_<last>`), which run under non-reentra
 and attention outputs are kept, only the cheap ops between them are recomputed: by torch's selective
 checkpoint policy, or, where all it keeps are convolutions and matrix products, by the region itself, which
 spares every op the policy's dispatch mode: fxopt.checkpointing._kept_outputs; it keeps only those its recomputation
-runs, and a third kind keeps only the costly ones, recomputing light ones such as attention's score matmul:
+runs, and a third kind keeps only the costly ones, recomputing cheap ones such as attention's score matmul:
 StepProfile.kept_steps)::
 
     a = fc1(x); b = norm(a); c = gelu(b); d = drop(c); e = fc2(d); ...
@@ -260,7 +260,7 @@ class CheckpointActivations(Pass):
             first, last = profile.steps[region.start].node.name, profile.steps[region.stop - 1].node.name
             result.record("refused", value, "kept_tensor_written_later",
                           f"{writer.name} writes it in place later; no region keeps it (refused: "
-                          f"{'selective ' if region.save_counted else ''}region {first}..{last})")
+                          f"{'selective ' if region.save_compute_intensive else ''}region {first}..{last})")
         after = estimate(profile, regions)
         _unmeasured(profile, result)
         names, shapes_kept = [], True
@@ -268,12 +268,13 @@ class CheckpointActivations(Pass):
             steps = profile.steps[region.start:region.stop]
             nodes = [s.node for s in steps]
             name = _region_name(gm, profile, region)
-            call = extract_region(gm, nodes, name, region.save_counted, region.replay_dropout,
-                                  counted=[profile.steps[p].node for p in profile.kept_steps(region)])
+            call = extract_region(gm, nodes, name, region.save_compute_intensive, region.replay_dropout,
+                                  compute_intensive=[profile.steps[p].node for p in profile.kept_steps(region)])
             kind_text = gm.get_submodule(name).kind
             if region.keep_costly_only:
-                light = [profile.steps[p].node.name for p in profile.recomputed_steps(region) if profile.light[p]]
-                kind_text += f", light ones recomputed ({', '.join(light)})"
+                cheap = [profile.steps[p].node.name for p in profile.recomputed_steps(region)
+                         if profile.cheap_to_recompute[p]]
+                kind_text += f", light ones recomputed ({', '.join(cheap)})"
             if profile.has_replayable_dropout(region):
                 kind_text += ", dropout masks kept" if region.replay_dropout else ", dropout drawn again"
             result.record("checkpointed", call, detail=f"{len(nodes)} nodes {nodes[0].name}..{nodes[-1].name}, "
