@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fxopt"
 LAYERS: list[tuple[str, list[tuple[str, ...]]]] = [
     ("ground floor", [("fxopt.errors", "fxopt._version", "fxopt._torch_private", "fxopt.tree", "fxopt.state_preservation",
                        "fxopt.output_selection", "fxopt.op_names", "fxopt.graph_functions", "fxopt.model_copy",
-                       "fxopt.running_modules", "fxopt.host_rng", "fxopt.user_code", "fxopt.collector")]),
+                       "fxopt.running_modules", "fxopt.host_rng", "fxopt.user_code", "fxopt.collector", "fxopt.node_runner")]),
     ("capture and analyses", [("fxopt.capture",), ("fxopt.analysis",), ("fxopt.measure",)]),
     ("checkpointing", [("fxopt.checkpointing",)]),
     ("passes", [("fxopt.passes",)]),

@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, flop_registry
 
 from .. import _torch_private
+from ..node_runner import NodeRunner
 from .costs import fake_call_arguments, placeholder_values
 from .ops import match_conv
 
@@ -27,22 +28,9 @@ def is_compute_intensive_op(op) -> bool:
     return getattr(op, "overloadpacket", op) in flop_registry
 
 
-class _PerNodeFlops(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm)
-        self.flops: dict[str, int] = {}
-
-    def run_node(self, n: fx.Node):
-        if n.op in ("placeholder", "get_attr", "output"):
-            return super().run_node(n)
-        with FlopCounterMode(display=False) as counter:
-            out = super().run_node(n)
-        self.flops[n.name] = counter.get_total_flops()
-        return out
-
-
 class _Interpreting(torch.nn.Module):
-    """Runs `gm` node by node; a module so `functional_call` can swap in fake parameters and buffers."""
+    """Runs `gm` node by node counting each node's FLOPs; a module so `functional_call` can swap in fake parameters
+    and buffers."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__()
@@ -50,10 +38,12 @@ class _Interpreting(torch.nn.Module):
         self.flops: dict[str, int] = {}
 
     def forward(self, *inputs):
-        interpreter = _PerNodeFlops(self.gm)
-        out = interpreter.run(*inputs)
-        self.flops = interpreter.flops
-        return out
+        return NodeRunner(self.gm, [self._count]).run(*inputs)
+
+    def _count(self, node: fx.Node, env: dict):
+        with FlopCounterMode(display=False) as counter:
+            yield
+        self.flops[node.name] = counter.get_total_flops()
 
 
 # CompositeImplicitAutograd ops that decompose into normalisation, padding, pooling, views and random

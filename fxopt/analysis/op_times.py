@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.fx as fx
 
+from ..node_runner import NodeRunner
 from ..state_preservation import preserved_state
 from .costs import placeholder_values
 
@@ -60,28 +61,24 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-class _Timed(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, seconds: dict[str, float], also: AlsoTimed | None):
-        super().__init__(gm)
-        self.seconds = seconds
-        self.also = also
-        self.clock = step_clock()
+def _timed_into(seconds: dict[str, float], also: AlsoTimed | None):
+    """A NodeRunner hook keeping in `seconds` the fastest time of each node and of what `also` adds beside it."""
+    clock = step_clock()
 
-    def run_node(self, n: fx.Node):
-        if n.op in ("placeholder", "get_attr", "output"):
-            return super().run_node(n)
-        out = self._timed(n.name, lambda: super(_Timed, self).run_node(n))
-        for key, run in (self.also(n, self.env) if self.also is not None else ()):
-            self._timed(key, run)
-        return out
+    def keep(key: str, elapsed: float) -> None:
+        seconds[key] = min(seconds.get(key, elapsed), elapsed)
 
-    def _timed(self, key: str, run):
-        start = self.clock()
-        out = run()
+    def hook(node: fx.Node, env: dict):
+        start = clock()
+        yield
         synchronize()
-        elapsed = self.clock() - start
-        self.seconds[key] = min(self.seconds.get(key, elapsed), elapsed)
-        return out
+        keep(node.name, clock() - start)
+        for key, run in (also(node, env) if also is not None else ()):
+            start = clock()
+            run()
+            synchronize()
+            keep(key, clock() - start)
+    return hook
 
 
 def node_seconds(gm: fx.GraphModule, also: AlsoTimed | None = None) -> dict[str, float] | None:
@@ -93,7 +90,7 @@ def node_seconds(gm: fx.GraphModule, also: AlsoTimed | None = None) -> dict[str,
             inputs = [real_like(v) for v in examples]
             runs = [dict() for _ in range(ROUNDS)]
             for seconds in runs:
-                _Timed(gm, seconds, also).run(*inputs)
+                NodeRunner(gm, [_timed_into(seconds, also)]).run(*inputs)
     except Exception:  # noqa: BLE001 - data-dependent code or inputs zeros cannot stand for: no timing
         return None
     return {name: min(r[name] for r in runs) for name in runs[-1]}

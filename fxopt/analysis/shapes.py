@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
+from ..node_runner import NodeRunner
 from ..state_preservation import preserved_state
 from .side_effects import effects
 
@@ -30,11 +31,9 @@ def _to_meta(value):
     return value
 
 
-class _RealShapeProp(fx.Interpreter):
-    def run_node(self, n):
-        out = super().run_node(n)
-        n.meta["val"] = _to_meta(out)
-        return out
+def _record_meta(node: fx.Node, env: dict):
+    """A NodeRunner hook: the node's real output, as a meta tensor, becomes its `meta["val"]`."""
+    node.meta["val"] = _to_meta((yield))
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
@@ -50,7 +49,7 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
             fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
             _torch_private.fake_tensor_prop(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
         except Exception:  # noqa: BLE001 - data-dependent code: fall back to one real run
-            _RealShapeProp(gm).run(*example_inputs)
+            NodeRunner(gm, [_record_meta], every_node=True).run(*example_inputs)
     remember_shape_sources(gm)
 
 

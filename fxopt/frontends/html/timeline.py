@@ -25,6 +25,7 @@ import torch.fx as fx
 from ..._torch_private import tree_leaves
 from ...host_rng import forked_host_rng
 from ...measure import _LiveStorageMode, _storage_ids
+from ...node_runner import NodeRunner
 from ...pipeline.instruments import Instrument
 from .snapshots import node_module_path
 
@@ -133,26 +134,22 @@ def _module_stack(model: torch.nn.Module, stack: list[str], made_by: dict[int, s
             h.remove()
 
 
-class _AttributingInterpreter(fx.Interpreter):
-    """Runs a GraphModule node by node, keeping `stack` at the module path of the node running."""
+def _attributing(stack: list[str], made_by: dict[int, str]):
+    """A NodeRunner hook keeping `stack` at the module path of the node running, and claiming the autograd nodes
+    its output was made by for that path."""
 
-    def __init__(self, gm: fx.GraphModule, stack: list[str], made_by: dict[int, str]):
-        super().__init__(gm)
-        self.stack, self.made_by = stack, made_by
-
-    def run_node(self, n: fx.Node):
-        path = node_module_path(n) if n.op in ("call_function", "call_method") else None
+    def hook(node: fx.Node, env: dict):
+        path = node_module_path(node) if node.op in ("call_function", "call_method") else None
         if not path:
-            return super().run_node(n)
-        inputs = [self.env[a] for a in n.all_input_nodes if a in self.env]
-        newer_than = _newest_node(inputs)
-        self.stack.append(".".join(path))
+            return
+        newer_than = _newest_node([env[a] for a in node.all_input_nodes if a in env])
+        stack.append(".".join(path))
         try:
-            out = super().run_node(n)
+            out = yield
         finally:
-            self.stack.pop()
-        _claim(out, newer_than, ".".join(path), self.made_by)
-        return out
+            stack.pop()
+        _claim(out, newer_than, ".".join(path), made_by)
+    return hook
 
 
 @contextlib.contextmanager
@@ -167,7 +164,7 @@ def _graphs_run_node_by_node(model: torch.nn.Module, stack: list[str], made_by: 
             def forward(*args, _gm=m, _generated=generated, **kwargs):
                 if kwargs:
                     return _generated(*args, **kwargs)
-                return _AttributingInterpreter(_gm, stack, made_by).run(*args)
+                return NodeRunner(_gm, [_attributing(stack, made_by)]).run(*args)
 
             m.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
             patched.append(m)
