@@ -651,11 +651,18 @@ _LIMIT_EXCEEDED = "Dynamo recompile limit exceeded"  # the start of Dynamo's rec
 _limit_hits_seen = [-1, 0, ""]  # Dynamo's count of frames it tried to compile, and what that count implied
 
 
+@functools.cache
+def _dynamo_counters():
+    """Dynamo's process-wide counters (`torch._dynamo.utils.counters`, one dict for the process's life)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
 def recompile_limit_hits() -> tuple[int, str]:
     """(how many calls in this process Dynamo ran as written because a recompile limit was reached, the last
     limit's setting): Dynamo's counters, read anew only after it tried to compile something (O(1) otherwise)."""
-    from torch._dynamo.utils import counters
-
+    counters = _dynamo_counters()
     frames = counters["frames"]["total"]
     if frames != _limit_hits_seen[0]:
         hits = {message: count for message, count in counters["unimplemented"].items()
