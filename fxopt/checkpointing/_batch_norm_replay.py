@@ -2,10 +2,9 @@
 
 A train-mode BatchNorm first reduces its input to per-channel statistics (the mean and the inverse standard
 deviation), then maps each element as `x * alpha + beta`, with `alpha = invstd * weight` and `beta = bias -
-mean * alpha`. On CPU the reduction is most of its time (HF MobileNetV2's largest activation, 4×96×112×112
-float32, one thread: 6.9 ms in all, 0.85 ms for the map; benchmarks/batch_norm_replay.py). Autograd keeps both
-statistics for the backward anyway, so a region keeps them from its first run (with the two vectors `replay`
-passes: four numbers per channel) and its recomputation only maps.
+mean * alpha`. On CPU the reduction is most of its time (docs/checkpointing.md; benchmarks/batch_norm_replay.py).
+Autograd keeps both statistics for the backward anyway, so a region keeps them from its first run (with the two
+vectors `replay` passes: four numbers per channel) and its recomputation only maps.
 
 `replay` issues ATen's own map: an eval-mode `native_batch_norm` with the kept mean as running mean, a running
 variance of 1 and eps 0 (so its inverse standard deviation is exactly 1), and `weight * invstd` as weight (the

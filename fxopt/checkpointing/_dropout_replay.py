@@ -1,13 +1,12 @@
 """Dropout a checkpointed region replays from its kept noise instead of drawing it again.
 
 On CPU `aten.dropout(x, p, train=True)` is `noise = empty_like(x).bernoulli_(1 - p).div_(1 - p);
-x * noise` (ATen's `_dropout_impl`), and autograd keeps `noise` for the backward anyway. Drawing
-the noise is most of the op's time (on HF BERT, a fifth of the forward), so a region that
-recomputes a dropout keeps which elements its first run dropped, as a bool mask
-(`RegionRun.scratch`; a quarter of float32 noise), and its recomputation rebuilds the noise from
-it: the same values (0 or 1, divided by 1 - p), the same saved tensor, the same RNG stream (the
-first run issues exactly ATen's ops). Elsewhere (CUDA's fused `native_dropout`, a
-flag or probability computed in the graph, in-place dropout) the dropout is recomputed as it is.
+x * noise` (ATen's `_dropout_impl`), and autograd keeps `noise` for the backward anyway. Drawing the noise is
+most of the op's time (docs/checkpointing.md), so a region that recomputes a dropout keeps which elements its first
+run dropped, as a bool mask (`RegionRun.scratch`; a quarter of float32 noise), and its recomputation rebuilds the
+noise from it: the same values (0 or 1, divided by 1 - p), the same saved tensor, the same RNG stream (the first run
+issues exactly ATen's ops). Elsewhere (CUDA's fused `native_dropout`, a flag or probability computed in the graph,
+in-place dropout) the dropout is recomputed as it is.
 """
 from __future__ import annotations
 

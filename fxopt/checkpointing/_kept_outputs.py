@@ -1,21 +1,20 @@
 """The ops whose outputs a selective region keeps itself, without torch's selective-checkpoint dispatch mode.
 
 A selective region keeps the outputs of its matmuls, convolutions and attention and recomputes the rest. torch's
-selective checkpoint (`create_selective_checkpoint_contexts`) does that by sending every op of the region's forward
-and of its recomputation through a Python dispatch mode, which on CPU costs more than many of a model's ops
-themselves (fxopt.checkpointing._region_overhead measures it per op). When every op a region keeps is a convolution or a
-matrix product (`linear`, `addmm`, `mm`, `bmm`, a `matmul` of two batched operands), the region keeps them itself
-instead: its first run keeps each one's output and its recomputation hands that output back
-(fxopt.checkpointing._kept_outputs_run). A convolution's first run is ATen's own, whose node does the backward; a product runs
-as an autograd Function whose backward makes the `mm`/`bmm` calls of the matmul formulas, in the operand layouts
-ATen's path through the op gives them. Either way gradients come out with the same bits. The region's other ops run
-at full speed under a plain checkpoint.
+selective checkpoint (`create_selective_checkpoint_contexts`) does that by sending every op of the region's forward and
+of its recomputation through a Python dispatch mode, which on CPU costs more than many of a model's ops themselves
+(fxopt.checkpointing._region_overhead measures it per op). When every op a region keeps is a convolution or a matrix
+product (`linear`, `addmm`, `mm`, `bmm`, a `matmul` of two batched operands), the region keeps them itself instead: its
+first run keeps each one's output and its recomputation hands that output back (fxopt.checkpointing._kept_outputs_run).
+A convolution's first run is ATen's own, whose node does the backward; a product runs as an autograd Function whose
+backward makes the `mm`/`bmm` calls of the matmul formulas, in the operand layouts ATen's path through the op gives
+them. Either way gradients come out with the same bits. The region's other ops run at full speed under a plain
+checkpoint.
 
-`kept_convolution(node)` gives the operands and arguments of such a convolution (a batched one whose padding is
-numbers, not "same"/"valid"), or None; `kept_product(node)` the kind and operands of such a product, or None;
-`kept_output(node)` either;
-`outputs_kept_by_region(compute_intensive)` says whether a region keeps its ops' outputs so, the one rule both the region
-(fxopt.checkpointing.eager_region) and its price (fxopt.checkpointing.profile) follow.
+`kept_convolution(node)` gives the operands and arguments of such a convolution (a batched one whose padding is numbers,
+not "same"/"valid"), or None; `kept_product(node)` the kind and operands of such a product, or None; `kept_output(node)`
+either; `outputs_kept_by_region(compute_intensive)` says whether a region keeps its ops' outputs so, the one rule both
+the region (fxopt.checkpointing.eager_region) and its price (fxopt.checkpointing.profile) follow.
 """
 from __future__ import annotations
 

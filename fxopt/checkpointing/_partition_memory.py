@@ -1,35 +1,32 @@
 """The memory of one training step run as an AOTAutograd partition: a forward graph and a backward graph.
 
-Under torch.compile, AOTAutograd runs a training graph as two graphs: the forward returns the
-user's outputs and the tensors saved for backward; the backward takes those and the outputs'
-gradients (`tangents_*`) and returns the inputs' gradients. `partition_peak` simulates both on
-the fake tensors of `node.meta["val"]` (each storage counted once, so views cost nothing):
+Under torch.compile, AOTAutograd runs a training graph as two graphs: the forward returns the user's outputs and the
+tensors saved for backward; the backward takes those and the outputs' gradients (`tangents_*`) and returns the inputs'
+gradients. `partition_peak` simulates both on the fake tensors of `node.meta["val"]` (each storage counted once, so
+views cost nothing):
 
-* a value is allocated by the node that first makes its storage and freed after the last node
-  that reads a value sharing that storage (generated code, boxed calls: Inductor, torch's
-  aot_eager, drop each input and intermediate after its last use);
-* the forward's outputs live to its end; saved tensors live from the forward until their last
-  use in the backward, and the outputs' gradients from the backward's start;
-* a CPU pointwise op whose operands differ in dtype (a float times a bool mask) first copies
-  each operand that is not of the common dtype to it (ATen's TensorIterator on CPU; CUDA casts
-  on the fly): those copies live while the op runs (`_promotion_copies`);
-* a CPU convolution or convolution backward allocates scratch beside its outputs (copies of its
-  operands in the kernel library's layout, a second weight-sized buffer: 3 MB beside a 1.1 MB
-  result for a 32->64 3x3 backward at 32x32, batch 8, yet none for a 1x1 one or on channels-last
-  operands): the most it holds at once, outputs and scratch, measured once per distinct call
-  (fxopt.analysis.call_peaks.call_peak, the measurement the eager model reads too), is added
-  to what was alive before it. Its gradient outputs count there too (a weight's gradient is
-  copied once more before it is returned), so this errs high by at most one weight gradient;
-  so does an attention kernel's forward or backward (the CPU flash kernel's backward holds copies of
-  its gradient and accumulators beside what it returns), on any device;
-* storages of the joint graph's inputs (parameters, buffers, inputs) live anyway, and the
-  backward's outputs (the gradients the step leaves in `.grad`, as with
-  `zero_grad(set_to_none=True)`) are not step memory: neither is counted, as in
-  `fxopt.measure.measure_peak`.
+* a value is allocated by the node that first makes its storage and freed after the last node that reads a value sharing
+  that storage (generated code, boxed calls: Inductor, torch's aot_eager, drop each input and intermediate after its
+  last use);
+* the forward's outputs live to its end; saved tensors live from the forward until their last use in the backward, and
+  the outputs' gradients from the backward's start;
+* a CPU pointwise op whose operands differ in dtype (a float times a bool mask) first copies each operand that is not of
+  the common dtype to it (ATen's TensorIterator on CPU; CUDA casts on the fly): those copies live while the op runs
+  (`_promotion_copies`);
+* a CPU convolution or convolution backward allocates scratch beside its outputs (copies of its operands in the kernel
+  library's layout, a second weight-sized buffer; none for a 1x1 one or on channels-last operands, and it can exceed the
+  result: docs/checkpointing.md): the most it holds at once, outputs and scratch, measured once per distinct call
+  (fxopt.analysis.call_peaks.call_peak, the measurement the eager model reads too), is added to what was alive before
+  it. Its gradient outputs count there too (a weight's gradient is copied once more before it is returned), so this errs
+  high by at most one weight gradient; so does an attention kernel's forward or backward (the CPU flash kernel's
+  backward holds copies of its gradient and accumulators beside what it returns), on any device;
+* storages of the joint graph's inputs (parameters, buffers, inputs) live anyway, and the backward's outputs (the
+  gradients the step leaves in `.grad`, as with `zero_grad(set_to_none=True)`) are not step memory: neither is counted,
+  as in `fxopt.measure.measure_peak`.
 
-The step's peak is the larger of the two graphs' peaks. Exact for graphs run op by op
-(aot_eager: checked against the allocator in tests/test_backend_memory.py); Inductor fuses
-pointwise ops, whose intermediates then never exist, so there it is an upper bound.
+The step's peak is the larger of the two graphs' peaks. Exact for graphs run op by op (aot_eager: checked against the
+allocator in tests/test_backend_memory.py); Inductor fuses pointwise ops, whose intermediates then never exist, so there
+it is an upper bound.
 """
 from __future__ import annotations
 
@@ -72,8 +69,8 @@ PROMOTED_ARGUMENTS = ("self", "other")  # the operands TensorIterator promotes t
 
 
 def _promotion_copies(node: fx.Node) -> int:
-    """Bytes of the operands a CPU pointwise ATen op copies to the common dtype before it runs (measured:
-    `x * mask` with a float x and a bool mask allocates a float copy of the mask beside its output)."""
+    """Bytes of the operands a CPU pointwise ATen op copies to the common dtype before it runs (`x * mask` with a
+    float x and a bool mask allocates a float copy of the mask beside its output)."""
     if node.op != "call_function" or _torch_private.aten_op_name(node.target) is None or \
             not _torch_private.op_is_pointwise(node.target):
         return 0

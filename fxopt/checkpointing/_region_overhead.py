@@ -1,17 +1,15 @@
 """What a checkpointed region costs beyond recomputing its ops, measured once on this machine.
 
-A non-reentrant `torch.utils.checkpoint` region pays for its own wrapper and saved-tensor hooks
-(per region), and its recomputation records an autograd graph again (per op); a selective region
-under torch's policy also sends every op of its forward and of its recomputation through a Python dispatch
-mode (one that keeps only convolutions and matrix products does not: fxopt.checkpointing._kept_outputs). Op
-times (fxopt.analysis.op_times) see none of it. `region_overhead(device)` times one training step
-of a chain of tiny ops plain and inside each kind of region, with 1 and with CHAIN ops, and
-returns the difference split into per region and per op (medians of interleaved rounds, on the
-clock op_times uses). The ops save their input for backward, as a model's convolutions, norms and
-activations do, so each saved tensor passes the region's hooks (`x * 1.0`, which saves nothing,
-measured 0 per op in a whole region; `sin`, 37 us). It is measured once per device and thread count,
-in about 0.1 s, and cached. Its per-region figures are a floor: a model's regions cost more (HF MobileNetV2: 0.6-1.9 ms
-a region, against 0.1 ms here), so checkpoint_activations measures them on a block of the graph it plans
+A non-reentrant `torch.utils.checkpoint` region pays for its own wrapper and saved-tensor hooks (per region), and its
+recomputation records an autograd graph again (per op); a selective region under torch's policy also sends every op of
+its forward and of its recomputation through a Python dispatch mode (one that keeps only convolutions and matrix
+products does not: fxopt.checkpointing._kept_outputs). Op times (fxopt.analysis.op_times) see none of it.
+`region_overhead(device)` times one training step of a chain of tiny ops plain and inside each kind of region, with 1
+and with CHAIN ops, and returns the difference split into per region and per op (medians of interleaved rounds, on the
+clock op_times uses). The ops save their input for backward, as a model's convolutions, norms and activations do, so
+each saved tensor passes the region's hooks (an op that saves nothing would price the per-op part at nothing:
+docs/checkpointing.md). It is measured once per device and thread count, and cached. Its per-region figures are a floor:
+a model's regions cost more, so checkpoint_activations measures them on a block of the graph it plans
 (fxopt.checkpointing.calibration) and keeps this per-op price.
 """
 from __future__ import annotations

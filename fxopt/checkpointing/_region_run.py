@@ -1,17 +1,15 @@
 """One run of a checkpointed region's body, and the values its first run keeps for its recomputation.
 
-A region (fxopt.checkpointing.eager_region) whose body runs BatchNorm, replays dropout or keeps op outputs itself
-calls the body with a `RegionRun` first: the forward (`first`) or a recomputation. What the first run keeps for the
+A region (fxopt.checkpointing.eager_region) whose body runs BatchNorm, replays dropout or keeps op outputs itself calls
+the body with a `RegionRun` first: the forward (`first`) or a recomputation. What the first run keeps for the
 recomputation lives in `scratch`, one dict per call of the region.
 
-A kept convolution and a replayed train-mode BatchNorm run as ATen's own op on the first run, whose autograd node
-then does the backward, and on a recomputation as `recomputed_as_saved`: the output from what the first run kept,
-saving the tensors that node saved, in its order. That suffices: non-reentrant checkpoint hands each node of the
-forward's graph, when it unpacks a saved tensor, the tensor the recomputation saved in the same place, and discards
-the recomputation's own graph. So no Python runs for them in the step's autograd graph, and their gradients are
-ATen's by construction (an autograd Function on both runs instead: on HF MobileNetV2's step at budget 0.5,
-torch.profiler counted 19.6 ms of self time in the Functions' nodes, the recomputations included, against 9.7 ms
-now, of a ~350 ms step).
+A kept convolution and a replayed train-mode BatchNorm run as ATen's own op on the first run, whose autograd node then
+does the backward, and on a recomputation as `recomputed_as_saved`: the output from what the first run kept, saving the
+tensors that node saved, in its order. That suffices: non-reentrant checkpoint hands each node of the forward's graph,
+when it unpacks a saved tensor, the tensor the recomputation saved in the same place, and discards the recomputation's
+own graph. So no Python runs for them in the step's autograd graph, and their gradients are ATen's by construction (an
+autograd Function on both runs instead would spend about twice the autograd self time: docs/checkpointing.md).
 """
 from __future__ import annotations
 

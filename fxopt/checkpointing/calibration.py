@@ -1,19 +1,15 @@
 """What a checkpointed region costs beyond its ops, measured on a block of the graph being planned.
 
-`fxopt.checkpointing._region_overhead` times regions over a chain of small ops. On a real model a region
-costs more than that and its ops' times predict: on HF MobileNetV2 (one thread, batch 4) each region
-of a plan at budget 0.5, timed alone, cost 1.3-3 ms beyond its predicted recomputation, where the
-chain priced 0.1-0.2 ms; its BatchNorms, its selective policy over convolutions, the activations
-it holds all play a part. `calibrated_overhead(gm, profile, span)` runs the graph's own steps
-[span) as a block, on real tensors shaped like the example, plain and as a whole and a selective
-CheckpointedRegion (what checkpoint_activations makes), in interleaved rounds; what each kind costs
-beyond the plain block and its ops' predicted recomputation is its per-region overhead, never less
-than the chain's (the per-op part stays the chain's). The block differentiates its inputs and the
-trainable parameters it reads, as a training step does (a kept convolution's backward computes its
-weight's gradient whenever the weight requires one: differentiating the inputs alone priced a
-selective region over one of HF ResNet-50's convolutions 4 ms too dear).
-Nothing of the model changes: those gradients are returned, not accumulated into `.grad`; buffers and the RNG
-are put back.
+`fxopt.checkpointing._region_overhead` times regions over a chain of small ops. On a real model a region costs more
+than that beyond its predicted recomputation (docs/checkpointing.md): its BatchNorms, its selective policy over
+convolutions, the activations it holds all play a part. `calibrated_overhead(gm, profile, span)` runs the graph's
+own steps [span) as a block, on real tensors shaped like the example, plain and as a whole and a selective
+CheckpointedRegion (what checkpoint_activations makes), in interleaved rounds; what each kind costs beyond the plain
+block and its ops' predicted recomputation is its per-region overhead, never less than the chain's (the per-op part
+stays the chain's). The block differentiates its inputs and the trainable parameters it reads, as a training step
+does: a kept convolution's backward computes its weight's gradient whenever the weight requires one, so
+differentiating the inputs alone would overprice a selective region over a convolution. Nothing of the model
+changes: those gradients are returned, not accumulated into `.grad`; buffers and the RNG are put back.
 """
 from __future__ import annotations
 
@@ -101,7 +97,7 @@ def calibrated_overhead(gm: fx.GraphModule, profile: StepProfile, span: Region) 
         region = span._replace(save_compute_intensive=kind == "selective")
         recomputed = (profile.region_cost(region) - profile.overhead_ns(region)) / 1e9
         extra = statistics.median(times[kind][1:]) - plain - recomputed
-        # never below the chain's figure, a floor (HF ViT's 3-step block measured less than its predicted recompute)
+        # never below the chain's figure, a floor (a small block may measure less than its predicted recompute)
         per_region[kind] = max(chain[kind], extra - profile.overhead_per_op(region) * (span.stop - span.start))
     return dataclasses.replace(profile.overhead, per_region=per_region["whole"],
                                selective_per_region=per_region["selective"])

@@ -1,13 +1,12 @@
 """A plan of fxopt's planner as partitioner tags: what the torch.compile path offers AOTAutograd's partitioner.
 
-`plan_candidates(gm, example_inputs)` plans a Dynamo graph for a ladder of limits (`LADDER`, fractions of its
-estimated step peak) down to its lowest reachable plan, adds the strided plans (whole regions between every s-th
-cheap-to-save boundary: under torch.compile what counts is what the forward saves, and these reach below the
-ladder's floor), and turns each plan into tags per Dynamo node: the steps a region keeps (`StepProfile.kept_steps`,
-the eager regions' rule less checkpoint's early stop, which a partitioner does not have) MUST_SAVE, the region's other
-steps MUST_RECOMPUTE. Each Dynamo call node
-carries its position in `node.meta["custom"]` (`STEP_KEY`), which tracing copies to the ATen nodes it becomes in
-the joint graph (fxopt.checkpointing.partitioner reads it). Plans are priced by FLOPs: the Dynamo graph is
+`plan_candidates(gm, example_inputs)` plans a Dynamo graph for a ladder of limits (`LADDER`, fractions of its estimated
+step peak) down to its lowest reachable plan, adds the strided plans (whole regions between every s-th cheap-to-save
+boundary: under torch.compile what counts is what the forward saves, and these reach below the ladder's floor), and
+turns each plan into tags per Dynamo node: the steps a region keeps (`StepProfile.kept_steps`, the eager regions' rule
+less checkpoint's early stop, which a partitioner does not have) MUST_SAVE, the region's other steps MUST_RECOMPUTE.
+Each Dynamo call node carries its position in `node.meta["custom"]` (`STEP_KEY`), which tracing copies to the ATen nodes
+it becomes in the joint graph (fxopt.checkpointing.partitioner reads it). Plans are priced by FLOPs: the Dynamo graph is
 planned before Inductor decides what runs, so there is no kernel to time.
 """
 from __future__ import annotations
@@ -30,7 +29,6 @@ from .profile import Region, StepProfile, estimate, step_profile
 LADDER = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # planner limits, fractions of the estimated step peak
 STRIDE_GROWTH = 1.5  # strided plans: regions between every s-th boundary, s = 1, 2, 3, 5, 8, 11, 17, ...
 STEP_KEY = "fxopt_step"  # in node.meta["custom"]: the Dynamo node's position, copied onto its ATen nodes
-
 
 
 @dataclasses.dataclass(frozen=True)

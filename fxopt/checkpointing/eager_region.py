@@ -1,23 +1,22 @@
 """A checkpointed region of a graph: its nodes moved into a GraphModule run under torch.utils.checkpoint.
 
 `extract_region(gm, nodes, name, save_compute_intensive)` moves a contiguous run of call nodes into
-`CheckpointedRegion(body)`, registered on `gm` as submodule `name`, and calls it in their
-place. The region runs under non-reentrant `torch.utils.checkpoint.checkpoint`, which keeps
-only the region's inputs (and restores the RNG state before recomputing, so dropout draws the
-same mask). Every BatchNorm inside (`aten.batch_norm`, `F.batch_norm`) runs as `batch_norm_once`, so
-its running statistics move once per step, as without checkpointing, and checkpoint sees the same saved
-tensors on both runs: a train-mode one on a contiguous float CPU input keeps its batch statistics from the
+`CheckpointedRegion(body)`, registered on `gm` as submodule `name`, and calls it in their place. The region runs under
+non-reentrant `torch.utils.checkpoint.checkpoint`, which keeps only the region's inputs (and restores the RNG state
+before recomputing, so dropout draws the same mask). Every BatchNorm inside (`aten.batch_norm`, `F.batch_norm`) runs as
+`batch_norm_once`, so its running statistics move once per step, as without checkpointing, and checkpoint sees the same
+saved tensors on both runs: a train-mode one on a contiguous float CPU input keeps its batch statistics from the
 region's first run and its recomputation maps the input with them, bit for bit as ATen did
-(fxopt.checkpointing._batch_norm_replay); any other runs as written on the first run and, in train mode, on
-throwaway copies of the running statistics when recomputed. With `save_compute_intensive`, a selective checkpoint policy
-also keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and
-recomputes only the rest; where every op it keeps is a convolution or a matrix product, the region keeps their
-outputs itself (`convolution_once` / `product_once`: fxopt.checkpointing._kept_outputs_run, fxopt.checkpointing._kept_outputs) and
-its other ops run without the policy's dispatch mode. A train-mode dropout on CPU runs as `dropout_once`: the mask
-its first run draws is kept, and a recomputation rebuilds the noise from it (fxopt.checkpointing._dropout_replay).
+(fxopt.checkpointing._batch_norm_replay); any other runs as written on the first run and, in train mode, on throwaway
+copies of the running statistics when recomputed. With `save_compute_intensive`, a selective checkpoint policy also
+keeps the outputs of the ops FlopCounterMode counts (matmuls, convolutions, attention) and recomputes only the rest;
+where every op it keeps is a convolution or a matrix product, the region keeps their outputs itself (`convolution_once`
+/ `product_once`: fxopt.checkpointing._kept_outputs_run, fxopt.checkpointing._kept_outputs) and its other ops run
+without the policy's dispatch mode. A train-mode dropout on CPU runs as `dropout_once`: the mask its first run draws is
+kept, and a recomputation rebuilds the noise from it (fxopt.checkpointing._dropout_replay).
 
-The body's modules and tensors are the parent graph's own (not registered a second time), so
-`state_dict()` keeps the original keys. Before / after::
+The body's modules and tensors are the parent graph's own (not registered a second time), so `state_dict()` keeps the
+original keys. Before / after::
 
     h = aten.linear(x, w1, b1);  n = aten.layer_norm(h, ...);  g = aten.gelu(n);  y = aten.linear(g, w2, b2)
   becomes

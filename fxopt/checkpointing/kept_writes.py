@@ -1,21 +1,19 @@
 """Which checkpoint regions would keep a tensor the model writes in place after the region.
 
-A region keeps its inputs for the recomputation (and a selective region also the outputs of the
-matmuls, convolutions and attention it keeps: StepProfile.kept_steps). If the forward writes into one of
-those tensors later -- through any alias: the tensor itself, a view of it, its base -- the
-recomputation reads the new values (autograd raises "modified by an inplace operation", or a
-selective region "cached ... has been mutated"), although eager, which may never have kept that
-tensor, runs fine. `KeptWrites(gm, profile)` finds, with the shared alias analysis
-(`fxopt.analysis.aliasing`), the last in-place write into each tensor, and answers per region
-which kept tensor is written after it (the planner then moves the boundary or drops the region).
+A region keeps its inputs for the recomputation (and a selective region also the outputs of the matmuls, convolutions
+and attention it keeps: StepProfile.kept_steps). If the forward writes into one of those tensors later -- through any
+alias: the tensor itself, a view of it, its base -- the recomputation reads the new values (autograd raises "modified by
+an inplace operation", or a selective region "cached ... has been mutated"), although eager, which may never have kept
+that tensor, runs fine. `KeptWrites(gm, profile)` finds, with the shared alias analysis (`fxopt.analysis.aliasing`), the
+last in-place write into each tensor, and answers per region which kept tensor is written after it (the planner then
+moves the boundary or drops the region).
 
-In-place ops inside a region (a residual `h += x`, an in-place ReLU) are fine when they write
-only tensors the region itself made: the recomputation makes them again and writes them again.
-`write_inside` finds the other writes: into a region input, a parameter or buffer, or (in a
-selective region) a matmul/conv output it keeps.
+In-place ops inside a region (a residual `h += x`, an in-place ReLU) are fine when they write only tensors the region
+itself made: the recomputation makes them again and writes them again. `write_inside` finds the other writes: into a
+region input, a parameter or buffer, or (in a selective region) a matmul/conv output it keeps.
 
-Writes into running statistics by a BatchNorm are not writes into a kept value: a recomputed
-BatchNorm updates throwaway copies (`fxopt.checkpointing.eager_region`) and never reads them.
+Writes into running statistics by a BatchNorm are not writes into a kept value: a recomputed BatchNorm updates throwaway
+copies (`fxopt.checkpointing.eager_region`) and never reads them.
 """
 from __future__ import annotations
 

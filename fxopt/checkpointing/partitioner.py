@@ -131,15 +131,13 @@ def _step(node: fx.Node):
 
 
 def _made_by_joint_passes(forward: list[fx.Node]) -> dict[fx.Node, set[int]]:
-    """Forward nodes without a Dynamo position (made by Inductor's joint-graph passes, e.g. its attention
-    pattern, which keep only `recompute` tags already set) -> the positions of the nearest positioned
-    forward nodes that read them (through other such nodes); random ops, and nodes no positioned forward
-    node reads, are left out.
+    """Forward nodes without a Dynamo position (made by Inductor's joint-graph passes, e.g. its attention pattern, which
+    keep only `recompute` tags already set) -> the positions of the nearest positioned forward nodes that read them
+    (through other such nodes); random ops, and nodes no positioned forward node reads, are left out.
 
-    Such a node inherits its readers' region when they all lie in one recomputed region: a node the
-    candidate cannot name would otherwise be saved, and with it the region's largest tensors (measured:
-    HF BERT's attention scores under Inductor). What it reads is saved or recomputed as the partitioner
-    decides, as for any recomputed node.
+    Such a node inherits its readers' region when they all lie in one recomputed region: a node the candidate cannot
+    name would otherwise be saved, and with it the region's largest tensors (attention scores: docs/checkpointing.md).
+    What it reads is saved or recomputed as the partitioner decides, as for any recomputed node.
     """
     inside = set(forward)
     out = {}

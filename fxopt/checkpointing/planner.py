@@ -1,12 +1,11 @@
 """Choose the checkpoint regions of one graph: least recompute cost (measured time, or FLOPs) whose step peak fits a budget.
 
-A plan cuts the steps (call nodes in execution order) into segments: a plain step, or a
-region [start, stop) of checkpointable steps, either recomputed whole or selectively (matmul,
-conv and attention outputs saved, everything else recomputed; or only the costly ones of those
-saved, the cheap ones recomputed too: StepProfile.cheap_to_recompute). Walking the plan in forward
-order, `fxopt.checkpointing.profile.segment_effect` gives the backward peak inside each segment from
-two numbers: the bytes kept so far and which kept tensors later steps may still read (so a
-tensor saved by two nodes counts once). That makes the problem a shortest path:
+A plan cuts the steps (call nodes in execution order) into segments: a plain step, or a region [start, stop) of
+checkpointable steps, either recomputed whole or selectively (matmul, conv and attention outputs saved, everything
+else recomputed; or only the costly ones of those saved, the cheap ones recomputed too:
+StepProfile.cheap_to_recompute). Walking the plan in forward order, `fxopt.checkpointing.profile.segment_effect`
+gives the backward peak inside each segment from two numbers: the bytes kept so far and which kept tensors later
+steps may still read (so a tensor saved by two nodes counts once). That makes the problem a shortest path:
 
     label = (bytes kept, recompute cost, peak so far) at a position, keyed by the tensors held
     extend each label by a plain step, or, at a region boundary, by every region to a later
@@ -14,18 +13,16 @@ tensor saved by two nodes counts once). That makes the problem a shortest path:
     dropping labels whose peak exceeds the budget and labels another label dominates
     (no more bytes kept and no more cost under the same key).
 
-Region boundaries are restricted to cheap-to-save points (`region_boundaries`: per window of
-the steps, where the fewest activation bytes cross), at most MAX_BOUNDARIES of them, so the
-search no longer grows with the square of the depth; a region [start, stop) is only tried when
-no refused step lies inside, and whether each region is allowed is asked once, not per label (HF MobileNetV2: 420 s -> 12 s to plan; the
-price is a higher lowest reachable peak, since regions cannot start anywhere). The last
-position's cheapest label is the optimal plan among those boundaries under this memory model
-(dynamic programming, not a greedy cut), in O(steps × labels + boundaries² × labels); it is
-exact while at most MAX_LABELS labels survive domination at a position, else the cheapest and the
-leanest label of each band of bytes kept are kept (`_prune`); labels keeping so much that the gradients
-of a later backward would exceed the budget are dropped first (`_backward_floor`). Regions stop
-growing once what they would recompute alone exceeds the budget, and a budget the plan without
-regions already meets returns at once: nothing to recompute.
+Region boundaries are restricted to cheap-to-save points (`region_boundaries`: per window of the steps, where the
+fewest activation bytes cross), at most MAX_BOUNDARIES of them, so the search does not grow with the square of the
+depth (docs/checkpointing.md); the price is a higher lowest reachable peak, since regions cannot start anywhere. A
+region [start, stop) is only tried when no refused step lies inside, and whether each region is allowed is asked
+once, not per label. The last position's cheapest label is the optimal plan among those boundaries under this
+memory model (dynamic programming, not a greedy cut), in O(steps × labels + boundaries² × labels); it is exact
+while at most MAX_LABELS labels survive domination at a position, else the cheapest and the leanest label of each
+band of bytes kept are kept (`_prune`); labels keeping so much that the gradients of a later backward would exceed
+the budget are dropped first (`_backward_floor`). Regions stop growing once what they would recompute alone exceeds
+the budget, and a budget the plan without regions already meets returns at once: nothing to recompute.
 """
 from __future__ import annotations
 
@@ -40,14 +37,12 @@ from .profile import Region, StepProfile, estimate
 
 
 MAX_LABELS = 64  # bands of bytes kept per position and held tensors: bounds the search at a small loss of optimality
-# (48 missed the optimum on three transformer blocks at budget 0.65 by 9% once selective regions could keep their
-# costly ops only; 64 finds it, at +0.1-0.3 s of HF MobileNetV2's, BERT's or ViT's planning)
+# (fewer miss the optimum where selective regions may keep their costly ops only: docs/checkpointing.md)
 MAX_BOUNDARIES = 48  # region starts/stops considered: the search grows with their square, not the depth's
 
 
 # A label is a plain tuple (bytes kept, recompute cost, peak so far, regions): the search makes one per label and
-# segment, ~250,000 on HF MobileNetV2, and a tuple display is made 3x faster than a NamedTuple, even one made by
-# tuple.__new__ (extending 48 labels: 6.4 us against 19 us).
+# segment, and a tuple display is made faster than any NamedTuple (docs/checkpointing.md).
 _Label = tuple[int, int, int, tuple[Region, ...]]
 _KEPT = operator.itemgetter(0)
 _BY_COST = operator.itemgetter(1, 2)  # (cost, peak)
@@ -59,10 +54,8 @@ def _prune(labels: list[_Label], objective: str, most_kept: float) -> list[_Labe
     """Labels no other label beats on (bytes kept, objective) that keep at most `most_kept` bytes (more can no
     longer fit the budget), in order of bytes kept; beyond MAX_LABELS of them, spread evenly over the bytes they
     keep: the one keeping the least, then per band of bytes kept its best and the one keeping the least in it (the
-    best keeps the most: a later region may not fit beside it). (An even spread over the labels' ranks instead crowded
-    where many plans keep similar bytes: on small MLPs and transformer blocks, 12 labels so spread found
-    plans 41% costlier than the optimum on average, 48 so spread 3.0%, 48 by bytes 0.4%; on three
-    transformer blocks at budgets 0.3-0.7, each band's best alone missed the optimum at 0.65 by 54%.)"""
+    best keeps the most: a later region may not fit beside it; the best alone can miss the optimum). Bands of bytes,
+    not of the labels' ranks, which crowd where many plans keep similar bytes (docs/checkpointing.md)."""
     score_of = _BY_COST if objective == "cost" else _BY_PEAK
     best, kept = None, []  # sorted by (kept, cost, peak) as tuples, or (kept, peak, cost)
     for label in (sorted(labels) if objective == "cost" else sorted(labels, key=_BY_KEPT_PEAK)):
@@ -82,9 +75,8 @@ def _prune(labels: list[_Label], objective: str, most_kept: float) -> list[_Labe
 
 
 def _backward_floor(profile: StepProfile) -> list[int]:
-    """Per position p: the least any plan's step holds above its kept bytes during some backward at or after p
-    (the gradients there and a convolution's scratch): a label keeping more than the budget less this fits no
-    plan."""
+    """Per position p: the least any plan's step holds above its kept bytes during some backward at or after p (the
+    gradients there and a convolution's scratch): a label keeping more than the budget less this fits no plan."""
     floor = [0] * (len(profile.steps) + 1)
     for p in range(len(profile.steps) - 1, -1, -1):
         floor[p] = max(floor[p + 1], profile.grad_live[p] + (profile.steps[p].backward_scratch or 0))
@@ -185,9 +177,8 @@ def _best_final(finals: list[_Label], profile: StepProfile, budget: float, objec
     """The best plan by (cost, peak) or (peak, cost) once the forward's peak is counted too: the walk bounds
     the backward only. A label's walked peak is a lower bound of its whole peak, so its walked (cost, peak) or
     (peak, cost) is a lower bound of its whole one: the labels are taken in that order and the whole estimate
-    (O(steps) each) is made only while one may still win. (Stopping on the first of the two alone estimated
-    every label tied with the best on it: HF MobileViT's lowest-peak plan, 30,641 labels of one walked peak,
-    106 s.)"""
+    (O(steps) each) is made only while one may still win. (Stopping on the first of the two alone would estimate
+    every label tied with the best on it: docs/checkpointing.md.)"""
     order = _BY_COST if objective == "cost" else _BY_PEAK
     best = None
     for kept, cost, peak, regions in sorted(finals, key=order):
@@ -200,8 +191,7 @@ def _best_final(finals: list[_Label], profile: StepProfile, budget: float, objec
 
 
 def untimed(profile: StepProfile) -> StepProfile:
-    """The same profile priced by FLOPs instead of measured times: plans chosen on it do not depend on
-    timing noise."""
+    """The same profile priced by FLOPs instead of measured times: plans chosen on it do not depend on timing noise."""
     steps = [dataclasses.replace(s, seconds=None, replay_seconds=None) for s in profile.steps]
     return profile.repriced(steps)
 

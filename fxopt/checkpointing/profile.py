@@ -1,43 +1,38 @@
 """The memory of one training step (forward + backward), estimated per node, for any checkpoint plan.
 
-`step_profile(gm)` lists the graph's call nodes in execution order as `Step`s: the storages each
-creates, the storages autograd keeps for its backward (`fxopt.analysis.saved_tensors`), its
-FLOPs (`fxopt.analysis.flops`). Tensors are identified by their storage in the fake tensors of
-`node.meta["val"]`, so views share bytes with their base; placeholders, parameters and buffers
-live anyway and cost nothing (as in `fxopt.measure`).
+`step_profile(gm)` lists the graph's call nodes in execution order as `Step`s: the storages each creates, the storages
+autograd keeps for its backward (`fxopt.analysis.saved_tensors`), its FLOPs (`fxopt.analysis.flops`). Tensors are
+identified by their storage in the fake tensors of `node.meta["val"]`, so views share bytes with their base;
+placeholders, parameters and buffers live anyway and cost nothing (as in `fxopt.measure`).
 
 `estimate(profile, regions)` simulates the step under a plan of checkpointed `Region`s:
 
-* a kept tensor is alive from the forward that makes it until the backward of its *first*
-  holder (backward runs last node first); a holder is a node that is not checkpointed and saves
-  it, or a region that keeps it (its inputs, and in a selective region the matmul outputs it keeps: kept_steps);
-* the backward of a node at position p holds every kept tensor whose first holder is at or
-  before p, plus the gradients of the tensors crossing p and of the trainable parameters it
-  reads (`grad_live`: made before they accumulate into `.grad`), plus what a convolution's backward
-  allocates beyond those gradients (`Step.backward_scratch`, fxopt.analysis.conv_scratch: oneDNN's own
-  copies of the gradients, reorders, partial sums; fxopt.analysis.backward_temporaries: pow's and a
-  broadcast mul's products, a CPU batch norm's first input gradient);
-* the backward of a region first recomputes it: everything its nodes save is alive at once,
-  on top of what is kept, while its backward starts, and each is freed after the backward of its
-  first holder, as the gradients inside the region come and go (and a convolution's scratch, as
-  outside regions; a selective region's cached outputs are dropped as the recomputation takes them);
-  a region may keep the masks of its
-  dropouts and replay them (`Region.replay_dropout`, fxopt.checkpointing._dropout_replay);
-* from its forward to the end of its backward a region also keeps its checkpoint's state: on CPU, a copy of
-  the RNG state (`preserve_rng_state`; the second copy torch.random.fork_rng holds while it recomputes is
-  freed before the gradients of its last step's backward, which the model already counts then, exist), and
-  of each train-mode BatchNorm in it, what its recomputation replays from or copies of its running statistics
+* a kept tensor is alive from the forward that makes it until the backward of its *first* holder (backward runs last
+  node first); a holder is a node that is not checkpointed and saves it, or a region that keeps it (its inputs, and in a
+  selective region the matmul outputs it keeps: kept_steps);
+* the backward of a node at position p holds every kept tensor whose first holder is at or before p, plus the gradients
+  of the tensors crossing p and of the trainable parameters it reads (`grad_live`: made before they accumulate into
+  `.grad`), plus what a convolution's backward allocates beyond those gradients (`Step.backward_scratch`,
+  fxopt.analysis.conv_scratch: oneDNN's own copies of the gradients, reorders, partial sums;
+  fxopt.analysis.backward_temporaries: pow's and a broadcast mul's products, a CPU batch norm's first input gradient);
+* the backward of a region first recomputes it: everything its nodes save is alive at once, on top of what is kept,
+  while its backward starts, and each is freed after the backward of its first holder, as the gradients inside the
+  region come and go (and a convolution's scratch, as outside regions; a selective region's cached outputs are dropped
+  as the recomputation takes them); a region may keep the masks of its dropouts and replay them
+  (`Region.replay_dropout`, fxopt.checkpointing._dropout_replay);
+* from its forward to the end of its backward a region also keeps its checkpoint's state: on CPU, a copy of the RNG
+  state (`preserve_rng_state`; the second copy torch.random.fork_rng holds while it recomputes is freed before the
+  gradients of its last step's backward, which the model already counts then, exist), and of each train-mode BatchNorm
+  in it, what its recomputation replays from or copies of its running statistics
   (fxopt.checkpointing.eager_region.batch_norm_once);
 * the forward at p holds the kept tensors made so far and the tensors still to be read;
-* with `caller_loss`, between the forward and the graph's backward the caller's loss runs its own backward
-  over the graph's outputs: everything kept is alive, and so are the outputs and what the loss holds,
-  taken as CALLER_LOSS_TENSORS output-sized tensors, the outputs' gradients among them (the most of common
-  losses, measured under the allocator: a mean of squares or L1 holds 4, cross-entropy and MSE 3, a sum
-  or mean 1). A user measures the step with their loss in it (HF MobileNetV2, batch 4: eager's peak is
-  3.0 MB above the graph's own, 321.5 MB, there).
+* with `caller_loss`, between the forward and the graph's backward the caller's loss runs its own backward over the
+  graph's outputs: everything kept is alive, and so are the outputs and what the loss holds, taken as
+  CALLER_LOSS_TENSORS output-sized tensors, the outputs' gradients among them: the most a common loss holds, as a user
+  measures the step with their loss in it (docs/checkpointing.md).
 
-The peak of the step is the largest of these. `segment_effect` is the one step of this
-simulation the planner (fxopt.checkpointing.planner) also takes, so both see the same model.
+The peak of the step is the largest of these. `segment_effect` is the one step of this simulation the planner
+(fxopt.checkpointing.planner) also takes, so both see the same model.
 """
 from __future__ import annotations
 
@@ -263,9 +258,8 @@ class StepProfile:
         return self.overhead.selective_per_op if dispatched else self.overhead.per_op
 
     def policy_sees_inside(self, r: Region) -> bool:
-        """Whether a selective region over r would run an op torch's policy sees as several (Step.runs_as_ops): it
-        would keep the products inside that op, which this model does not describe, so the planner makes no such
-        region."""
+        """Whether a selective region over r would run an op torch's policy sees as several (Step.runs_as_ops): it would
+        keep the products inside that op, which this model does not describe, so the planner makes no such region."""
         return r.save_compute_intensive and not self.keeps_itself(r) and self._sum(self._runs_as_ops_prefix, r) > 0
 
     def has_replayable_dropout(self, r: Region) -> bool:
@@ -350,17 +344,14 @@ class StepProfile:
         return frozenset(k for k in made & self._kept_outputs(r) if self.last_read[k] < len(self.steps))
 
     def _region_backward_peak(self, r: Region, counted: frozenset) -> int:
-        """Live bytes above `counted` during a region's backward: its recomputation makes again what its
-        steps save, a selective region's cached outputs among them (`_cached_outputs`), and where it stops
-        (recomputed_steps) what it made for a step it did not run is still alive; each is freed after the backward of its
-        first holder, while the gradients at each step are alive, with a convolution's scratch
-        (fxopt.analysis.conv_scratch) or the temporaries of pow, broadcast mul and batch norm
-        (fxopt.analysis.backward_temporaries).
-        No other temporary: ATen's backward kernels of linear, matmul, GELU,
-        softmax, layer norm, dropout and add allocate the gradients they return and nothing else
-        (profiler_allocations, each run alone; a layer norm's per-row partial sums, under 1% of its output,
-        aside); a temporary the size of each op's output over-predicted regions over residual MLP blocks
-        by 2.6-4.7%."""
+        """Live bytes above `counted` during a region's backward: its recomputation makes again what its steps save,
+        a selective region's cached outputs among them (`_cached_outputs`), and where it stops (recomputed_steps)
+        what it made for a step it did not run is still alive; each is freed after the backward of its first
+        holder, while the gradients at each step are alive, with a convolution's scratch (fxopt.analysis.conv_scratch)
+        or the temporaries of pow, broadcast mul and batch norm (fxopt.analysis.backward_temporaries). No other
+        temporary: ATen's backward kernels of linear, matmul, GELU, softmax, layer norm, dropout and add allocate the
+        gradients they return and nothing else (profiler_allocations, each run alone; a layer norm's small per-row
+        partial sums aside), so counting one more would over-predict (docs/checkpointing.md)."""
         first_holder, freed_by_all, pending = self._span_holders(r)
         freed_at = freed_by_all  # what each step's backward frees, of what it first holds, less what is counted
         if excluded := counted & first_holder.keys():
@@ -638,7 +629,7 @@ def _output_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 def _parameter_gradient_bytes(node: fx.Node, gm: fx.GraphModule, trainable: frozenset[str]) -> int:
     """Bytes of the gradients `node`'s backward makes for the parameters that get one (`trainable`,
     from fxopt.analysis.grad_needs) before they accumulate into `.grad` (an embedding's is
-    vocabulary-sized: on GPT-2 the step's peak is there)."""
+    vocabulary-sized, and may hold the step's peak: docs/checkpointing.md)."""
     if node.op == "call_module":
         params = [p for name, p in gm.get_submodule(node.target).named_parameters()
                   if f"{node.target}.{name}" in trainable]
@@ -652,7 +643,7 @@ def _waiting_parameter_gradient_bytes(gm: fx.GraphModule, position: dict, traina
     """Per position: bytes of the gradients of parameters read at several positions (tied weights: BART's encoder and
     decoder share their embedding) waiting for the rest of their sum. Autograd adds up a parameter's gradients
     before it accumulates them into `.grad`: the one the last reader's backward makes lives until the first
-    reader's backward (HF BART, 3+3 layers 256 wide: a 51.5 MB embedding gradient through the encoder's backward)."""
+    reader's backward (BART's: through the encoder's whole backward; docs/checkpointing.md)."""
     waiting = [0] * len(position)
     for node in gm.graph.nodes:  # a parameter read as an attribute, or a graph input (TorchDynamo's form)
         state = state_input(node, gm) if node.op in ("get_attr", "placeholder") else None

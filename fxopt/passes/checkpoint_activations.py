@@ -1,46 +1,41 @@
 """checkpoint_activations: recompute chosen regions in backward so one training step fits a memory budget.
 
-What it rewrites: runs of nodes chosen by a cost model move into `CheckpointedRegion`
-submodules (named `checkpointed_<first>_to_<last>`), which run under non-reentrant
-`torch.utils.checkpoint`; a region is either recomputed whole, or selectively (its matmul, conv
-and attention outputs are kept, only the cheap ops between them are recomputed: by torch's selective
-checkpoint policy, or, where all it keeps are convolutions and matrix products, by the region itself, which
-spares every op the policy's dispatch mode: fxopt.checkpointing._kept_outputs; it keeps only those its recomputation
-runs, and a third kind keeps only the costly ones, recomputing cheap ones such as attention's score matmul:
-StepProfile.kept_steps)::
+What it rewrites: runs of nodes chosen by a cost model move into `CheckpointedRegion` submodules (named
+`checkpointed_<first>_to_<last>`), which run under non-reentrant `torch.utils.checkpoint`; a region is either recomputed
+whole, or selectively (its matmul, conv and attention outputs are kept, only the cheap ops between them are recomputed:
+by torch's selective checkpoint policy, or, where all it keeps are convolutions and matrix products, by the region
+itself, which spares every op the policy's dispatch mode: fxopt.checkpointing._kept_outputs; it keeps only those its
+recomputation runs, and a third kind keeps only the costly ones, recomputing cheap ones such as attention's score
+matmul: StepProfile.kept_steps)::
 
     a = fc1(x); b = norm(a); c = gelu(b); d = drop(c); e = fc2(d); ...
   becomes (budget 0.5 on a deep MLP)
     checkpointed_fc1_to_drop = self.checkpointed_fc1_to_drop(x)   # selective: fc1's output kept
     e = fc2(checkpointed_fc1_to_drop); ...
 
-How it chooses (fxopt.checkpointing.planner): `memory_budget` bounds the estimated peak of the
-whole step, forward *and* backward (a fraction of the step's peak as captured, before fxopt's passes, or bytes),
-the caller's loss included: its backward runs beside everything the graph keeps, and is taken to hold four
-tensors the size of the outputs (fxopt.checkpointing.profile), as a mean of squares does.
-The estimate (fxopt.checkpointing.profile) walks the plan: what stays saved, when each saved tensor
-is freed in backward, the gradients in flight, and the moment a region is recomputed next to
-everything still kept -- where the peak of a checkpointed step usually lands, and what a plan
-that only counts bytes saved at the end of forward misses. Recomputation is priced in time, for
-the steps a region's recomputation runs (checkpoint stops it once the last saved tensor is saved
-again, so a region over a transformer layer never recomputes its last linear):
-each node's forward measured on real tensors shaped like the example (fxopt.analysis.op_times;
-FLOPs where the graph cannot run so), plus what a region costs beyond its ops (per op it holds: measured once,
-fxopt.checkpointing._region_overhead; per region: on a block of this graph, fxopt.checkpointing.calibration, figure
-`region_overhead_ms`), so the plan with the
-lowest predicted step time whose predicted peak fits is chosen (figure `predicted_recompute_s`). An exact
-dynamic program over region boundaries and the region kinds returns the cheapest plan under
-the budget (a √n split would ignore both the prices and where the peak lands); if no plan
-fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning (at the caller's line) and the
-report's headline name the budget, that floor ("lowest reachable: 0.45x"), what keeps the step above it and the
+How it chooses (fxopt.checkpointing.planner): `memory_budget` bounds the estimated peak of the whole step, forward *and*
+backward (a fraction of the step's peak as captured, before fxopt's passes, or bytes), the caller's loss included: its
+backward runs beside everything the graph keeps, and is taken to hold four tensors the size of the outputs
+(fxopt.checkpointing.profile), as a mean of squares does. The estimate (fxopt.checkpointing.profile) walks the plan:
+what stays saved, when each saved tensor is freed in backward, the gradients in flight, and the moment a region is
+recomputed next to everything still kept -- where the peak of a checkpointed step usually lands, and what a plan that
+only counts bytes saved at the end of forward misses. Recomputation is priced in time, for the steps a region's
+recomputation runs (checkpoint stops it once the last saved tensor is saved again, so a region over a transformer layer
+never recomputes its last linear): each node's forward measured on real tensors shaped like the example
+(fxopt.analysis.op_times; FLOPs where the graph cannot run so), plus what a region costs beyond its ops (per op it
+holds: measured once, fxopt.checkpointing._region_overhead; per region: on a block of this graph,
+fxopt.checkpointing.calibration, figure `region_overhead_ms`), so the plan with the lowest predicted step time whose
+predicted peak fits is chosen (figure `predicted_recompute_s`). An exact dynamic program over region boundaries and the
+region kinds returns the cheapest plan under the budget (a √n split would ignore both the prices and where the peak
+lands); if no plan fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning (at the caller's line)
+and the report's headline name the budget, that floor ("lowest reachable: 0.45x"), what keeps the step above it and the
 budget it meets. A region that would free nothing (no saved bytes, no lower peak) is never made.
 
-Why it is safe: a recomputed region computes the same values from the same inputs; the
-non-reentrant checkpoint restores the RNG state before recomputing, so dropout draws the
-same mask; a BatchNorm updates its running statistics on the first run only, and a train-mode one on
-a contiguous float CPU input is recomputed from the batch statistics its first run kept, by the same
-kernel, so the same bits (fxopt.checkpointing._batch_norm_replay: a tenth of the op's time);
-parameters are shared, so gradients accumulate into the same tensors.
+Why it is safe: a recomputed region computes the same values from the same inputs; the non-reentrant checkpoint restores
+the RNG state before recomputing, so dropout draws the same mask; a BatchNorm updates its running statistics on the
+first run only, and a train-mode one on a contiguous float CPU input is recomputed from the batch statistics its first
+run kept, by the same kernel, so the same bits (fxopt.checkpointing._batch_norm_replay); parameters are shared, so
+gradients accumulate into the same tensors.
 
 When a node stays out of every region (reason in the report):
   bn_training           a train-mode BatchNorm subclass or one called in a form fxopt cannot rewrite:
@@ -53,14 +48,13 @@ When a node stays out of every region (reason in the report):
                         outputs): the recomputation makes it again and writes it again.
   already_checkpointed  a region the user (or an earlier run) checkpointed: left as it is
   unknown_op            a call fxopt cannot see into (it may mutate state or draw random numbers)
-and no region keeps (as input, or as a selective region's cached output) a tensor written in place
-after it, through any alias (`kept_tensor_written_later`, fxopt.checkpointing.kept_writes): the
-recomputation would read the new values; the report names the value, its writer and a refused region.
-When no plan fits `memory_budget` (`budget_unreachable`, at `<graph>`), the pass applies the plan
-with the lowest reachable peak and reports that peak and what stood in the way (headline: NOT met).
-The whole pass is skipped when the graph already holds its regions (a second run changes
-nothing), cannot run on fake tensors, or is handed on to torch.compile (whose partitioner
-decides recomputation itself).
+and no region keeps (as input, or as a selective region's cached output) a tensor written in place after it, through
+any alias (`kept_tensor_written_later`, fxopt.checkpointing.kept_writes): the recomputation would read the new values;
+the report names the value, its writer and a refused region.
+When no plan fits `memory_budget` (`budget_unreachable`, at `<graph>`), the pass applies the plan with the lowest
+reachable peak and reports that peak and what stood in the way (headline: NOT met).
+The whole pass is skipped when the graph already holds its regions (a second run changes nothing), cannot run on fake
+tensors, or is handed on to torch.compile (whose partitioner decides recomputation itself).
 """
 from __future__ import annotations
 
@@ -283,7 +277,7 @@ class CheckpointActivations(Pass):
             names.append(name)
             shapes_kept = shapes_kept and "val" in call.meta
         if names and shapes_kept:  # every region stands for values whose shapes are known: nothing to propagate
-            remember_shape_sources(gm)  # (running the regions on fake tensors again was 0.8 s on HF MobileNetV2)
+            remember_shape_sources(gm)  # (running the regions on fake tensors again is slow: docs/checkpointing.md)
         result.figures.update(
             budget_bytes=int(limit), budget_met=after.peak <= limit, regions=names,
             recomputed_flops=after.recompute_flops,

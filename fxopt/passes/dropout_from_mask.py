@@ -1,15 +1,14 @@
 """dropout_from_mask: in a joint forward-backward graph, each train-mode dropout's output read from its mask.
 
-What it rewrites: each train-mode `native_dropout(x, p)` of the forward: its output becomes
-`x * mask * (1 / (1 - p))`, two pointwise ops of the bool mask the dropout returns, which carry the dropout's
-Dynamo position. Why: a region the partitioner recomputes (fxopt.checkpointing.partitioner) then recomputes those
-two from the saved mask (a quarter of a float32 output) while the draw itself is never tagged, so the random numbers
-are drawn once, as eager draws them.
+What it rewrites: each train-mode `native_dropout(x, p)` of the forward: its output becomes `x * mask * (1 / (1 - p))`,
+two pointwise ops of the bool mask the dropout returns, which carry the dropout's Dynamo position. Why: a region the
+partitioner recomputes (fxopt.checkpointing.partitioner) then recomputes those two from the saved mask (a quarter of a
+float32 output) while the draw itself is never tagged, so the random numbers are drawn once, as eager draws them.
 
-Why it is safe: that is ATen's own computation of the output, bitwise equal in float32 and float64.
-When it does nothing: eval-mode dropouts, p not a float in (0, 1), an output nobody reads; and under Inductor,
-which decomposes dropout before the partitioner (its random values come from a saved seed). It runs only on the
-joint graphs of `memory_budget` under torch.compile (fxopt.pipeline.compile_budget), never on a model's graph.
+Why it is safe: that is ATen's own computation of the output, bitwise equal in float32 and float64. When it does
+nothing: eval-mode dropouts, p not a float in (0, 1), an output nobody reads; and under Inductor, which decomposes
+dropout before the partitioner (its random values come from a saved seed). It runs only on the joint graphs of
+`memory_budget` under torch.compile (fxopt.pipeline.compile_budget), never on a model's graph.
 """
 from __future__ import annotations
 

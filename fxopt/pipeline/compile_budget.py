@@ -2,13 +2,12 @@
 
     torch.compile(model, backend="fxopt", options={"memory_budget": 0.5})      # or "64MB"
 
-On the eager path `checkpoint_activations` wraps regions in `torch.utils.checkpoint`. Under torch.compile
-AOTAutograd's min-cut partitioner decides what the forward saves; fxopt's planner offers it plans as tags
+On the eager path `checkpoint_activations` wraps regions in `torch.utils.checkpoint`. Under torch.compile AOTAutograd's
+min-cut partitioner decides what the forward saves; fxopt's planner offers it plans as tags
 (fxopt.checkpointing.candidates) and a partition function takes the cheapest whose predicted step peak fits
-(fxopt.checkpointing.partitioner). The joint graph's rewrites (`JOINT_PASSES`) run here, by the PassManager, so
-they are linted and reported like any pass. Budgets are parsed as in `fxopt.optimize`
-(fxopt.checkpointing.budget); under torch.compile they bound each compiled graph's step peak (a graph break gives
-each graph the whole byte budget).
+(fxopt.checkpointing.partitioner). The joint graph's rewrites (`JOINT_PASSES`) run here, by the PassManager, so they are
+linted and reported like any pass. Budgets are parsed as in `fxopt.optimize` (fxopt.checkpointing.budget); under
+torch.compile they bound each compiled graph's step peak (a graph break gives each graph the whole byte budget).
 """
 from __future__ import annotations
 
