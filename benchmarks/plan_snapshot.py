@@ -28,10 +28,7 @@ import fxopt
 from checkpoint_vs_peers import LastHiddenState, _hf_checkpointing, _loss_step, _models, _peak
 from fxopt.passes import PASSES
 
-try:
-    from fxopt.checkpointing.candidates import plan_candidates
-except ImportError:
-    from fxopt.frontends.backend_memory import plan_candidates
+from fxopt.checkpointing.candidates import plan_candidates
 
 MODELS = "bert,gpt2,vit,convnext_t,resnet50,mobilenet_v2"
 FIGURES = ("regions", "peak_estimate_before", "peak_estimate_after", "budget_bytes", "budget_met",
@@ -69,7 +66,7 @@ def compile_plans(base: torch.nn.Module, x: torch.Tensor) -> list[list[dict]]:
     torch.manual_seed(0)
     _loss_step(torch.compile(base, backend=recorder), x)
     torch._dynamo.reset()
-    return [[{"name": c.name, "cost": c.cost,
+    return [[{"name": c.plan.name, "cost": c.plan.recompute_cost,
               "tags": sorted([p, policy.name, region] for p, (policy, region) in c.tags.items())}
              for c in plan_candidates(gm, inputs)] for gm, inputs in graphs]
 

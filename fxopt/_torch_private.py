@@ -10,7 +10,6 @@ import os
 import sys
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 
 def fake_tensor_mode():
@@ -114,10 +113,6 @@ def tree_flatten(tree) -> tuple[list, object]:
 def is_view(t: torch.Tensor) -> bool:
     """Whether `t` is a view of another tensor's storage (autograd cannot detach a view in place)."""
     return t._is_view()
-
-
-class UserCheckpointCall(Exception):
-    """Raised inside torch.export when the exported code calls torch.utils.checkpoint."""
 
 
 def module_hooks(module: torch.nn.Module) -> list[str]:
@@ -401,12 +396,6 @@ def tensor_version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-def hook_handles_made() -> int:
-    """How many hook handles torch has made so far in this process: every public hook registration
-    (module, global module, tensor, autograd node hooks) makes one (`RemovableHandle.next_id`)."""
-    return RemovableHandle.next_id
-
-
 def aten_op_name(target) -> str | None:
     """The ATen op's name without namespace and overload (`aten.relu_.default` -> "relu_"), or None."""
     if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
@@ -456,10 +445,6 @@ def bind_aten_arguments(target, args: tuple, kwargs: dict) -> dict:
 def higher_order_op_type() -> type:
     """The type of torch's higher-order operators (`torch.ops.higher_order.cond`, `wrap_with_autocast`, ...)."""
     return torch._ops.HigherOrderOperator
-
-
-class OpReference(tuple):
-    """A picklable name for an ATen operator or higher-order op: ("aten::conv2d", "default") / ("higher_order", name)."""
 
 
 def output_structure(gm) -> tuple[list, list[int]] | None:

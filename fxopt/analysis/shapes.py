@@ -53,30 +53,6 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
     remember_shape_sources(gm)
 
 
-def adopt_concrete_shapes(gm: fx.GraphModule) -> bool:
-    """Keep the fake tensors `torch.export` left in `node.meta["val"]` where every one has concrete sizes
-    (a static export: what a propagation from the example inputs would compute); False if not.
-
-    As a propagation would, parameters' values are detached (`requires_grad=False`) and the output
-    node gets the values it returns.
-    """
-    nodes = [n for n in gm.graph.nodes if n.op != "output"]
-    if not all("val" in n.meta and _is_concrete(n.meta["val"]) for n in nodes):
-        return False
-    mode = _torch_private.detect_fake_mode([n.meta["val"] for n in nodes])
-    if mode is not None:  # export's: passes and analyses convert real tensors in it, and run nodes
-        _torch_private.reuse_export_fake_mode(mode)
-    for node in nodes:
-        if node.op == "get_attr" and isinstance(node.meta["val"], torch.Tensor):
-            node.meta["val"] = node.meta["val"].detach()
-    if mode is not None:
-        _alias_returned_inputs(gm, mode)
-    for node in gm.graph.find_nodes(op="output"):
-        node.meta["val"] = fx.node.map_arg(node.args[0], lambda n: n.meta["val"])
-    remember_shape_sources(gm)
-    return True
-
-
 def _storage(value):
     return _torch_private.untyped_storage_key(value) if isinstance(value, torch.Tensor) else None
 

@@ -23,7 +23,7 @@ from ..analysis.shapes import propagate_shapes
 from ..collector import collector_paused
 from ..model_copy import graph_module_copy
 from .eligibility import refusal
-from .planner import plan_regions, region_boundaries
+from .planner import Plan, as_plan, plan_regions, region_boundaries
 from .profile import Region, StepProfile, estimate, step_profile
 
 LADDER = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # planner limits, fractions of the estimated step peak
@@ -33,11 +33,10 @@ STEP_KEY = "fxopt_step"  # in node.meta["custom"]: the Dynamo node's position, c
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One plan of fxopt's planner as partitioner tags: Dynamo position -> (policy, region id)."""
+    """One plan of fxopt's planner and its partitioner tags: Dynamo position -> (policy, region id)."""
 
+    plan: Plan
     tags: dict[int, tuple[CheckpointPolicy, int]]
-    cost: int  # fxopt's recompute cost of the plan
-    name: str  # where it comes from: "planner at 0.5x peak", "lowest-peak plan", "every 2nd boundary"
 
 
 def _call_steps(gm: fx.GraphModule) -> list[fx.Node]:
@@ -72,12 +71,11 @@ def plan_candidates(gm: fx.GraphModule, example_inputs: list) -> list[Candidate]
         if not regions or regions in seen:
             continue
         seen.add(regions)
-        tags = {}
-        for k, region in enumerate(regions, start=1):
-            kept = set(profile.kept_steps(region, early_stop=False))
-            for p in range(region.start, region.stop):
-                tags[p] = (CheckpointPolicy.MUST_SAVE if p in kept else CheckpointPolicy.MUST_RECOMPUTE, k)
-        out.append(Candidate(tags, sum(profile.region_cost(r) for r in regions), name))
+        plan = as_plan(profile, regions, early_stop=False, name=name)
+        tags = {p: (CheckpointPolicy.MUST_SAVE if p in kept else CheckpointPolicy.MUST_RECOMPUTE, k)
+                for k, (region, kept) in enumerate(zip(plan.regions, plan.kept), start=1)
+                for p in range(region.start, region.stop)}
+        out.append(Candidate(plan, tags))
     return out
 
 

@@ -79,12 +79,13 @@ class BudgetPartitioner:
                      for n in _forward_nodes(joint) if "recompute" in n.meta}
         tried = []  # (PartitionPeak, cost, candidate, (forward module, backward module)), in order of cost
         limit = None
-        for candidate in (None, *sorted(self.candidates, key=lambda c: c.cost)):
+        for candidate in (None, *sorted(self.candidates, key=lambda c: c.plan.recompute_cost)):
             if candidate is not None and len(tried) == 1:  # after the untagged partition: min-cut's own choice is
                 self.rewrite_joint(joint)  # the baseline
             self._tag(_forward_nodes(joint), candidate, user_tags)  # the partitioner may replace the graph (CSE)
             modules = _torch_private.min_cut_partition(joint, joint_inputs, **kwargs)
-            tried.append((partition_peak(joint, *modules), candidate.cost if candidate else 0, candidate, modules))
+            cost = candidate.plan.recompute_cost if candidate else 0
+            tried.append((partition_peak(joint, *modules), cost, candidate, modules))
             if limit is None:
                 limit = self.amount * tried[0][0].step if self.kind == "fraction" else self.amount
             if tried[-1][0].step <= limit:
@@ -92,10 +93,10 @@ class BudgetPartitioner:
         self._tag(_forward_nodes(joint), None, user_tags)
         met = tried[-1][0].step <= limit
         chosen = tried[-1] if met else min(tried, key=lambda t: (t[0].step, t[1]))
-        plan, before, after = chosen[2], tried[0][0], chosen[0]
+        taken, before, after = chosen[2], tried[0][0], chosen[0]
         self.outcome = Outcome(self.budget, int(limit), before.step, after.step, before.saved, after.saved, met,
-                               plan.name if plan else "min-cut alone",
-                               len({region for _, region in plan.tags.values()}) if plan else 0, len(tried) - 1)
+                               taken.plan.name if taken else "min-cut alone",
+                               len(taken.plan.regions) if taken else 0, len(tried) - 1)
         if not met:
             warn_at_users_line(f"fxopt: memory_budget {self.budget!r} ({limit / 1e6:.2f} MB step peak) NOT met under "
                           f"torch.compile: lowest reachable {after.step / max(before.step, 1):.2f}x "

@@ -33,7 +33,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 
-from .profile import Region, StepProfile, estimate
+from .profile import Estimate, Region, StepProfile, estimate
 
 
 MAX_LABELS = 64  # bands of bytes kept per position and held tensors: bounds the search at a small loss of optimality
@@ -205,3 +205,24 @@ def plan_floor(profile: StepProfile, checkpointable: Sequence[bool],
     lowest_plan = plan_regions(profile, math.inf, checkpointable, objective="peak", allowed=allowed)
     cheapest = plan_regions(profile, estimate(profile, lowest_plan).peak, checkpointable, allowed=allowed)
     return cheapest if cheapest is not None else lowest_plan
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One plan as both lowerings take it: its regions, the steps each keeps (`StepProfile.kept_steps`), and what it
+    is predicted to cost: the step's memory (`estimate`) and the recompute cost in the profile's price list
+    (measured nanoseconds, or FLOPs)."""
+
+    regions: tuple[Region, ...]
+    kept: tuple[tuple[int, ...], ...]
+    estimate: Estimate
+    recompute_cost: int
+    name: str = ""  # where it comes from, where there are several ("planner at 0.5x peak", "lowest-peak plan")
+
+
+def as_plan(profile: StepProfile, regions: Sequence[Region], early_stop: bool = True, name: str = "") -> Plan:
+    """`regions` as a Plan over `profile`; `early_stop`: regions recompute as torch.utils.checkpoint does (the eager
+    lowering), else as a partitioner does (kept_steps)."""
+    return Plan(regions=tuple(regions), kept=tuple(tuple(profile.kept_steps(r, early_stop)) for r in regions),
+                estimate=estimate(profile, regions), recompute_cost=sum(profile.region_cost(r) for r in regions),
+                name=name)

@@ -157,10 +157,6 @@ class StepProfile:
             self.last_read[key] = r.start
         return frozenset({key}) if self.nbytes[key] else frozenset()
 
-    def region_recomputes(self, r: Region) -> frozenset:
-        """What the region's recomputation makes alive again: everything its steps save."""
-        return self._region_sets(r)[1]
-
     def region_recompute_bytes(self, r: Region) -> int:
         return self._region_sets(r)[2]
 

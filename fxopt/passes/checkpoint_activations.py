@@ -70,7 +70,7 @@ from ..checkpointing.eager_region import CheckpointedRegion, extract_region
 from ..checkpointing.eligibility import refusal
 from ..checkpointing.kept_writes import KeptWrites
 from ..checkpointing.peak_holders import peak_holders
-from ..checkpointing.planner import plan_floor, plan_regions, region_boundaries
+from ..checkpointing.planner import as_plan, plan_floor, plan_regions, region_boundaries
 from ..checkpointing.profile import Estimate, Region, StepProfile, estimate, step_profile
 from ..collector import collector_paused
 from ..op_names import op_name
@@ -255,15 +255,15 @@ class CheckpointActivations(Pass):
             result.record("refused", value, "kept_tensor_written_later",
                           f"{writer.name} writes it in place later; no region keeps it (refused: "
                           f"{'selective ' if region.save_compute_intensive else ''}region {first}..{last})")
-        after = estimate(profile, regions)
+        plan = as_plan(profile, regions)
         _unmeasured(profile, result)
         names, shapes_kept = [], True
-        for region in regions:
+        for region, kept in zip(plan.regions, plan.kept):
             steps = profile.steps[region.start:region.stop]
             nodes = [s.node for s in steps]
             name = _region_name(gm, profile, region)
             call = extract_region(gm, nodes, name, region.save_compute_intensive, region.replay_dropout,
-                                  compute_intensive=[profile.steps[p].node for p in profile.kept_steps(region)])
+                                  compute_intensive=[profile.steps[p].node for p in kept])
             kind_text = gm.get_submodule(name).kind
             if region.keep_costly_only:
                 cheap = [profile.steps[p].node.name for p in profile.recomputed_steps(region)
@@ -278,9 +278,10 @@ class CheckpointActivations(Pass):
             shapes_kept = shapes_kept and "val" in call.meta
         if names and shapes_kept:  # every region stands for values whose shapes are known: nothing to propagate
             remember_shape_sources(gm)  # (running the regions on fake tensors again is slow: docs/checkpointing.md)
+        after = plan.estimate
         result.figures.update(
             budget_bytes=int(limit), budget_met=after.peak <= limit, regions=names,
             recomputed_flops=after.recompute_flops,
-            predicted_recompute_s=sum(profile.region_cost(r) for r in regions) / 1e9 if profile.timed else None,
+            predicted_recompute_s=plan.recompute_cost / 1e9 if profile.timed else None,
             saved_bytes_before=before.saved_bytes, saved_bytes_after=after.saved_bytes,
             peak_estimate_before=before.peak, peak_estimate_after=after.peak)
