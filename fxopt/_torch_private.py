@@ -19,20 +19,6 @@ def fake_tensor_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def reuse_export_fake_mode(mode) -> None:
-    """Make the FakeTensorMode of a static `torch.export` behave like a fresh one for what fxopt runs in it.
-
-    Export's mode has a ShapeEnv and `static_shapes=False`, so a real tensor converted into it later
-    (a parameter a pass reads) would get symbolic sizes; and it refuses data-pointer access (a check
-    meant for tracing), so new fake tensors would fail a deep copy. Both get a fresh mode's defaults.
-    """
-    from torch._functorch import config
-
-    mode.static_shapes = True
-    if hasattr(mode, "_allow_unsafe_data_ptr_access"):
-        mode._allow_unsafe_data_ptr_access = config.fake_tensor_allow_unsafe_data_ptr_access
-
-
 def is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 

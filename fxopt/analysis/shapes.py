@@ -68,18 +68,6 @@ def _may_return_an_input(node: fx.Node) -> bool:
                (val.shape, val.stride(), val.dtype) for a in node.all_input_nodes)
 
 
-def _alias_returned_inputs(gm: fx.GraphModule, mode) -> None:
-    """Make export's values share storage where eager's do: export gives a new tensor for an op eager
-    decomposes into returning its input (HF ViT's dropouts with p=0), and for every view of it, so the
-    memory model (fxopt.checkpointing.profile, which identifies tensors by storage) counted bytes that are
-    never allocated and freed the input too early. Such ops, and the views of a value that changed, run
-    again on export's fake tensors; a value is replaced only when it turns out to alias an input."""
-    with FakeRerun(gm, mode) as rerun:
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and (_may_return_an_input(node) or rerun.input_changed(node)):
-                _keep_if_aliasing(node, rerun)
-
-
 def _keep_if_aliasing(node: fx.Node, rerun: FakeRerun) -> None:
     """Run `node` again on export's fake tensors; keep the new value only if it aliases an input."""
     before = node.meta["val"]
@@ -133,17 +121,6 @@ class FakeRerun:
     def keep(self, node: fx.Node, value) -> None:
         """Give `node` this value (a node added to the graph gets one without running)."""
         node.meta["val"] = self._prop.env[node] = value
-
-
-def _is_concrete(value) -> bool:
-    """No symbolic size, stride or number anywhere in `value` (a fake tensor, a tuple of them, an int)."""
-    for leaf in _torch_private.tree_leaves(value):
-        if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            return False
-        if isinstance(leaf, torch.Tensor) and not all(
-                isinstance(s, int) for s in (*leaf.shape, *(leaf.stride() if leaf.layout == torch.strided else ()))):
-            return False
-    return True
 
 
 _SOURCE = "fxopt_shape_of"
