@@ -261,7 +261,8 @@ def op_is_random(op) -> bool:
 def fold_constant_subgraphs(gm):
     """`gm` with every subgraph computed from its attributes alone (no input, no random or in-place op) run once
     now and kept as constants (torch.fx's `split_const_subgraphs`): a callable of the remaining inputs; None where
-    there is no such subgraph."""
+    there is no such subgraph, or it only takes views (an expand of a token): folding them saves no work and would
+    cost the frozen graph's checks on every call."""
     from torch.fx.experimental.const_fold import split_const_subgraphs
 
     attributes = [*gm.parameters(), *gm.buffers()]
@@ -272,7 +273,9 @@ def fold_constant_subgraphs(gm):
         warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node with no underlying reference")
         folded = split_const_subgraphs(gm, skip_folding_node_fn=lambda n: n.op == "call_function" and (
             op_is_random(n.target) or op_is_mutable(n.target)), device_for_folded_attrs=device)
-    if folded.const_subgraph_module is None:
+    constants = folded.const_subgraph_module
+    if constants is None or all(getattr(n.target, "is_view", False) for n in constants.graph.nodes
+                                if n.op == "call_function"):
         return None
     folded.run_folding()
     return folded.forward

@@ -438,3 +438,24 @@ def test_eager_path_train_mode_batch_norm_without_grad_is_not_frozen():
         for seed in range(3):
             x = example() + seed
             assert_same(step(reference, reference, x, False), step(optimized, optimized.original, x, False))
+
+
+def test_a_graph_whose_only_constants_are_views_is_not_frozen():
+    """A constant subgraph of views alone (a token expanded to the batch) saves no work: the graph runs unfrozen,
+    without the frozen graph's checks; one that computes (an eval BatchNorm's scale from its statistics) is frozen."""
+    class Token(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.token = nn.Parameter(torch.randn(1, 1, 4))
+
+        def forward(self, x):
+            return torch.cat([self.token.expand(x.shape[0], -1, -1), x], dim=1)
+
+    def attributes_graph(model, x):
+        gm = torch.fx.symbolic_trace(model)
+        return torch.fx.experimental.proxy_tensor.make_fx(gm)(x)
+
+    x = torch.randn(2, 3, 4)
+    assert _torch_private.fold_constant_subgraphs(attributes_graph(Token(), x)) is None
+    scaled = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    assert _torch_private.fold_constant_subgraphs(attributes_graph(scaled, torch.randn(1, 3, 8, 8))) is not None

@@ -226,21 +226,26 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
         report = run_pipeline(captured, pipeline, ctx, instruments=options.instruments, verifier=verifier)
     report.dynamic_sizes = _symbolic_inputs(gm)
     _note_dynamo_facts(report)
-    if not training and options.freeze and options.inner != "aot_eager" and _freezable(aten, example_inputs,
-                                                                                      constant_inputs):
-        compiled = FrozenInference(aten, example_inputs, constant_inputs, statistics, options.inner)
-        if compiled.folds_nothing:
-            compiled = aten
-    elif eager:
-        compiled = aten
-    elif training and options.memory_budget is not None:  # fxopt's planner tags what the partitioner recomputes
-        compiled = compile_with_memory_budget(aten, example_inputs, options.memory_budget, options.inner, report)
-    elif options.inner == "aot_eager":
-        compiled = _torch_private.aot_eager_compile(aten, example_inputs)
-    else:
-        compiled = _torch_private.inductor_compile(aten, example_inputs)
+    compiled = _lowered(aten, example_inputs, constant_inputs, statistics, training, options, report)
     _deliver(report, options.report, on_report)
     return compiled
+
+
+def _lowered(aten: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str], statistics,
+             training: bool, options: BackendOptions, report: Report):
+    """The optimized graph lowered as `options` ask: frozen for inference where it may be, as it is under eager
+    autograd, or through AOTAutograd (under a memory budget: fxopt's plans tag what its partitioner recomputes)."""
+    if not training and options.freeze and options.inner != "aot_eager" and _freezable(aten, example_inputs,
+                                                                                      constant_inputs):
+        frozen = FrozenInference(aten, example_inputs, constant_inputs, statistics, options.inner)
+        return aten if frozen.folds_nothing else frozen
+    if options.inner == "eager":
+        return aten
+    if training and options.memory_budget is not None:
+        return compile_with_memory_budget(aten, example_inputs, options.memory_budget, options.inner, report)
+    if options.inner == "aot_eager":
+        return _torch_private.aot_eager_compile(aten, example_inputs)
+    return _torch_private.inductor_compile(aten, example_inputs)
 
 
 def _differentiated_positions(aten: fx.GraphModule, options: BackendOptions) -> list[int] | None:
@@ -359,9 +364,7 @@ class FrozenInference:
             constants = [args[i] for i in self.constant_positions]
             if (all(a is c for a, c in zip(constants, self.constants)) and _frozen_state(constants) == self.state
                     and (not self.statistics or torch.equal(_values(self.statistics), self.statistics_values))):
-                out = self.frozen(*[args[i] for i in self.runtime_positions])
-                self.state = _frozen_state(constants)  # the graph's own buffer updates are fine
-                return out
+                return self.frozen(*[args[i] for i in self.runtime_positions])  # which writes none of them
             warn_at_users_line("fxopt: a parameter or statistic changed after fxopt froze it; this graph now runs "
                                "without freezing, recomputing the folded weights on every call")
             self.unfrozen = (self.unfrozen_graph.forward if self.inner == "eager"
