@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fxopt.checkpointing.profile import estimate, step_profile
-from fxopt.checkpointing import planner as _checkpoint_plan
+from fxopt.checkpointing import planner
 
 from graph_forms import exported_graph
 from test_checkpoint_activations import TransformerBlock
@@ -25,8 +25,8 @@ def test_pruned_labels_find_the_cheapest_plan(blocks_profile, budget, monkeypatc
     ranks, 12 of them: 1.1-1.2x as much; each band's best label alone: 1.5x at 0.65)."""
     profile, checkpointable = blocks_profile, [True] * len(blocks_profile.steps)
     limit = budget * estimate(profile).peak
-    bounded = _checkpoint_plan.plan_regions(profile, limit, checkpointable)
-    monkeypatch.setattr(_checkpoint_plan, "MAX_LABELS", 10**9)
-    unbounded = _checkpoint_plan.plan_regions(profile, limit, checkpointable)
+    bounded = planner.plan_regions(profile, limit, checkpointable)
+    monkeypatch.setattr(planner, "MAX_LABELS", 10**9)
+    unbounded = planner.plan_regions(profile, limit, checkpointable)
     assert sum(map(profile.region_cost, bounded)) <= 1.01 * sum(map(profile.region_cost, unbounded))
     assert estimate(profile, bounded).peak <= limit

@@ -6,7 +6,7 @@ import torch
 
 from fxopt.analysis import shapes
 from fxopt.checkpointing.profile import Estimate, estimate, step_profile
-from fxopt.checkpointing import planner as _checkpoint_plan
+from fxopt.checkpointing import planner
 from fxopt.passes.base import TRAINING, PassContext
 from fxopt.passes.checkpoint_activations import CheckpointActivations
 
@@ -31,15 +31,15 @@ def test_lazy_final_check_finds_the_plan_every_label_would(monkeypatch):
     profile = step_profile(gm)
     checkpointable = [True] * len(profile.steps)
     before = estimate(profile).peak
-    lazy = {b: _checkpoint_plan.plan_regions(profile, b * before, checkpointable) for b in (0.9, 0.7, 0.5, 0.35)}
-    lazy["peak"] = _checkpoint_plan.plan_regions(profile, float("inf"), checkpointable, objective="peak")
-    monkeypatch.setattr(_checkpoint_plan, "_best_final", _every_final)
+    lazy = {b: planner.plan_regions(profile, b * before, checkpointable) for b in (0.9, 0.7, 0.5, 0.35)}
+    lazy["peak"] = planner.plan_regions(profile, float("inf"), checkpointable, objective="peak")
+    monkeypatch.setattr(planner, "_best_final", _every_final)
     for budget, plan in lazy.items():
         if budget == "peak":
-            full = _checkpoint_plan.plan_regions(profile, float("inf"), checkpointable, objective="peak")
+            full = planner.plan_regions(profile, float("inf"), checkpointable, objective="peak")
             assert estimate(profile, plan).peak == estimate(profile, full).peak
             continue
-        full = _checkpoint_plan.plan_regions(profile, budget * before, checkpointable)
+        full = planner.plan_regions(profile, budget * before, checkpointable)
         assert (plan is None) == (full is None), budget
         if plan is not None:
             assert sum(map(profile.region_cost, plan)) == sum(map(profile.region_cost, full)), budget
@@ -56,10 +56,10 @@ def test_final_check_stops_at_labels_tied_with_the_best(objective, monkeypatch):
         estimated.append(regions)
         return Estimate(0, regions[0], regions[0], 0)
 
-    monkeypatch.setattr(_checkpoint_plan, "estimate", whole_estimate)
+    monkeypatch.setattr(planner, "estimate", whole_estimate)
     tied = [(0, 5 if objective == "cost" else i, 7 if objective == "peak" else i, (7 if
             objective == "peak" else i,)) for i in range(1000)]
-    best = _checkpoint_plan._best_final(tied, None, budget=10_000, objective=objective)
+    best = planner._best_final(tied, None, budget=10_000, objective=objective)
     assert best == ((7,) if objective == "peak" else (0,)) and len(estimated) == 1
 
 

@@ -5,7 +5,7 @@ answers, without running anything:
 
   requires_grad       values autograd records when the graph runs (reach a trainable parameter or an
                       input whose example requires grad), following dtypes: integer and bool results,
-                      `detach`, calls already run without grad and exported no_grad regions record nothing
+                      `detach` and calls already run without grad record nothing
   grad_live           nodes a differentiated output depends on, plus every node that runs opaque
                       code or writes into a tensor that may share storage (`aliasing.AliasInfo`)
                       with such a node or with a graph input (the write carries gradient into
@@ -34,7 +34,7 @@ import torch.fx as fx
 from .. import _torch_private
 from ..graph_functions import declared
 from .aliasing import AliasInfo
-from .ops import constant_placeholders, region_of
+from .ops import constant_placeholders
 from .saved_tensors import SavedForBackward
 from .side_effects import MUTATION, OPAQUE, effects
 
@@ -103,7 +103,7 @@ def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str], writers:
             needs = bool(_trainable_params(node, gm, constant_inputs))
         elif node.op in _CALLS:
             reads = any(n in result for n in node.all_input_nodes) or bool(_trainable_params(node, gm, constant_inputs))
-            silent = node.target == "detach" or _runs_without_grad(node, gm)
+            silent = node.target == "detach" or _runs_without_grad(node)
             needs = reads and not silent and _differentiable_value(node)
         else:
             needs = False
@@ -114,14 +114,10 @@ def _requires_grad(gm: fx.GraphModule, constant_inputs: frozenset[str], writers:
     return result
 
 
-def _runs_without_grad(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """An exported `with torch.no_grad():` block (wrap_with_set_grad_enabled(False, ...)), or an fxopt
-    helper declared to run its callable without grad."""
+def _runs_without_grad(node: fx.Node) -> bool:
+    """An fxopt helper declared to run its callable without grad."""
     helper = declared(node.target) if node.op == "call_function" else None
-    if helper is not None and helper.runs_without_grad:
-        return True
-    region = region_of(node, gm)
-    return region is not None and region.kind == "grad" and not region.enabled
+    return helper is not None and bool(helper.runs_without_grad)
 
 
 def _add_with_inputs(live: set[fx.Node], roots) -> None:

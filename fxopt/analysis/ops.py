@@ -7,11 +7,6 @@ weights (torch.export's ATen training IR, what `fxopt.optimize` captures), or as
 turn each into a record whose tensor fields are graph nodes (`get_attr` or placeholder), so a
 pass is written once for both forms. A `call_module` is an opaque module (or a region fxopt
 made), never a layer these recognise.
-
-`region_of` recognises export's grad-mode and autocast regions
-(`wrap_with_set_grad_enabled(enabled, submod, *args)`, `wrap_with_autocast(device, dtype,
-enabled, cache, submod, *args)`): their body is a separate GraphModule, so a pass that looks at
-one graph never rewrites across a region boundary.
 """
 from __future__ import annotations
 
@@ -150,31 +145,6 @@ def match_batch_norm(node: fx.Node) -> BatchNormCall | None:
     b = _bind(node, _BN_FUNCTIONS[node.target], _BN_DEFAULTS)
     return BatchNormCall(node, b["input"], b["running_mean"], b["running_var"], b["weight"], b["bias"],
                          b["training"], b["eps"])
-
-
-@dataclasses.dataclass
-class Region:
-    """A grad-mode or autocast region of an exported graph: `body` runs its `args` under the mode."""
-
-    node: fx.Node
-    kind: str  # "grad" (wrap_with_set_grad_enabled) or "autocast" (wrap_with_autocast)
-    enabled: bool  # grad enabled inside / autocast enabled
-    body: fx.GraphModule
-    args: tuple
-    dtype: Any = None  # autocast's dtype
-
-
-def region_of(node: fx.Node, gm: fx.GraphModule) -> Region | None:
-    """The region a `wrap_with_set_grad_enabled` / `wrap_with_autocast` call runs, or None."""
-    if node.op != "call_function":
-        return None
-    if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
-        enabled, body, *args = node.args
-        return Region(node, "grad", enabled, gm.get_submodule(body.target), tuple(args))
-    if node.target is torch.ops.higher_order.wrap_with_autocast:
-        _device, dtype, enabled, _cache, body, *args = node.args
-        return Region(node, "autocast", enabled, gm.get_submodule(body.target), tuple(args), dtype)
-    return None
 
 
 def resolve(ref: fx.Node | None, gm: fx.GraphModule) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ updates its running statistics. `effects(node, gm)` names every effect a node ma
 
 An ATen op's effects come from its schema (mutable arguments, `nondeterministic_seeded`), except
 where the schema is wrong about it (batch_norm's statistics; dropout with `train=False` draws
-nothing). A grad-mode or autocast region of an exported graph has the effects of its body.
+nothing).
 Anything not recognised is OPAQUE, so a caller that keeps effectful nodes is sound by default.
 """
 from __future__ import annotations
@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from .. import _torch_private
 from ..graph_functions import declared, import_by_name, qualified_name
 from ..op_names import bound_argument, is_inplace_call, is_inplace_op
-from .ops import region_of
 
 MUTATION, RNG, STATS, IO, OPAQUE = "mutation", "rng", "stats", "io", "opaque"
 NO_EFFECTS: frozenset[str] = frozenset()
@@ -166,17 +165,9 @@ def _wrapped_effects(kind: str, target, args: tuple, kwargs: dict, gm: fx.GraphM
     return _function_effects(import_by_name(target) if isinstance(target, str) else target, args, kwargs, gm)
 
 
-def _region_effects(body: fx.GraphModule) -> frozenset[str]:
-    """Effects of a grad-mode / autocast region: those of the nodes of its body."""
-    return frozenset().union(*(effects(n, body) for n in body.graph.nodes))
-
-
 def effects(node: fx.Node, gm: fx.GraphModule) -> frozenset[str]:
     """Every effect `node` may have besides producing its value (see module docstring)."""
     if node.op == "call_function":
-        region = region_of(node, gm)
-        if region is not None:
-            return _region_effects(region.body)
         if isinstance(node.target, _torch_private.higher_order_op_type()):
             return frozenset({OPAQUE})  # another higher-order op (cond, checkpoint, ...): its body is unseen
         return _function_effects(node.target, node.args, node.kwargs, gm)

@@ -44,7 +44,7 @@ from ..analysis.shapes import FakeRerun, tensor_meta
 from ..analysis.side_effects import MUTATION, effects
 from ..model_copy import graph_snapshot
 from ..op_names import op_name
-from .base import INFERENCE, Pass, PassContext, PassResult, site_name
+from .base import INFERENCE, Pass, PassContext, PassResult
 
 # Non-pointwise ops whose values do not depend on their inputs' strides, and which pass NHWC on.
 LAYOUT_FREE_OPS = frozenset({

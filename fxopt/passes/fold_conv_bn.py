@@ -10,8 +10,8 @@ What it rewrites::
 for Conv1d/2d/3d, ConvTranspose1d/2d/3d (whose output channels are dim 1 of the weight,
 grouped into `groups` blocks), and Linear followed by BatchNorm1d on a 2-D output, in the ATen
 form fxopt captures (`aten.conv2d` + `aten.batch_norm(..., training=False, ...)`, parameters as
-graph inputs), through `fxopt.analysis.ops`. A grad-mode or autocast region is a barrier: a conv
-inside one and a BN outside (or the reverse) never meet, and the pairs inside keep the region's mode.
+graph inputs), through `fxopt.analysis.ops`. A `torch.no_grad()` or `torch.autocast` block stays as
+captured (its switches are graph calls, never moved): a pair inside keeps the block's mode and dtype.
 
 Why it is safe: an eval-mode BatchNorm with running statistics is an affine map per channel
 with constant coefficients, and a convolution is linear in its weight per output channel, so

@@ -9,9 +9,8 @@ What it rewrites::
 for relu and the family relu6, hardtanh, leaky_relu, elu, hardswish, silu
 (`fxopt.analysis.activations`): ATen overloads (torch.export) become their in-place overloads
 (`aten.relu_`), torch functions and methods (`F.relu`, `x.relu()`) `F.<kind>(..., inplace=True)`.
-Eval-mode dropouts are removed before it, by `drop_eval_dropout`. Nothing inside a grad-mode or
-autocast region is rewritten, and a tensor such a region reads is never written (the region is an
-unknown op).
+Eval-mode dropouts are removed before it, by `drop_eval_dropout`. Inside a `no_grad` or `autocast`
+block the same rules hold; the block's switches stay where they were captured.
 
 Why it is safe: overwriting the activation's input with its output is invisible when nothing
 else can observe the old values. The shared analyses prove that, site by site:

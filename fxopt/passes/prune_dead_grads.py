@@ -40,8 +40,6 @@ When it refuses (reason in the report):
                       whole forward in one graph; a graph break, or `backend="fxopt"`, leaves them unknown)
   not_importable      a function outside the loss that the graph cannot name again: it stays
                       recorded (the nodes around it still run without grad)
-  region              a grad-mode or autocast region of an exported graph outside the loss: it runs
-                      as the user wrote it (a barrier), the nodes around it run without grad
   unsupported_conv    string padding ('same' / 'valid')
   unbatched           a conv input without a batch dimension
   mixed_dtype         a BatchNorm whose statistics and input differ in dtype (autocast, half)
@@ -69,7 +67,7 @@ import torch.fx as fx
 from .. import _torch_private
 from ..analysis.costs import estimate_saved_bytes, placeholder_values
 from ..analysis.grad_needs import GradNeeds, analyze_grad_needs, really_saved
-from ..analysis.ops import ConvCall, match_batch_norm, match_conv, region_of, resolve
+from ..analysis.ops import ConvCall, match_batch_norm, match_conv, resolve
 from ..op_names import op_name
 from ..analysis.shapes import tensor_meta
 from ..analysis.side_effects import removable_if_unused
@@ -192,10 +190,6 @@ class PruneDeadGrads(Pass):
         graph = gm.graph
         for node in needs.no_grad_nodes:
             wrapper, target = call_without_grad, node.target
-            if region_of(node, gm) is not None:
-                result.record("refused", site_name(node), "region",
-                              "a grad-mode/autocast region runs as written; it stays recorded")
-                continue
             if node.op == "call_method":
                 wrapper = call_method_without_grad
             elif node.op == "call_function" and not _torch_private.aten_op_name(node.target):  # ATen ops print
