@@ -1,7 +1,7 @@
 """The op a graph node computes, by one name in every form a graph holds it in.
 
-A call_function of ATen's `aten.relu.default` (torch.export, what `fxopt.optimize` captures), of
-`F.relu` or `torch.relu`, and a call_method `relu` (TorchDynamo, the torch.compile backend) are
+A call_function of ATen's `aten.relu.default` (the ATen graph fxopt's backend traces), of
+`F.relu` or `torch.relu`, and a call_method `relu` (a torch.fx trace of Python code) are
 all "relu"; in-place forms are "relu_". A `call_module` (an opaque module, a region fxopt made)
 has no op name: its module could compute anything. Tables keyed by op name (saved-for-backward,
 aliasing, the passes' patterns) read it from here.

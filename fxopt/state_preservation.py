@@ -1,9 +1,9 @@
 """Run a model for information without leaving a trace on it or on its inputs.
 
-Capture runs the model (export runs its Python `forward` on fake tensors, and the fallback runs
-it once for real to record each child's call). A `forward` may write anything it can reach:
+fxopt runs the model, or graphs holding its tensors, for information (the example call's outputs,
+which modules run, op timings, shapes). A `forward` may write anything it can reach:
 buffers (`self.count += 1`), parameters (`self.ema.mul_(0.9)` under no_grad), plain tensor
-attributes (`self.t.add_(1)` — export runs such writes on the real tensor), its inputs
+attributes (`self.t.add_(1)`), its inputs
 (`x.mul_(2)`), rebind an attribute (`self.t = self.t + 1`, `self.calls += 1`, `self.last = y`),
 or change a list, dict or set attribute in place (`self.history.append(y)`). `preserved_state`
 snapshots all of them, and the RNG, and puts every one back on exit.
@@ -96,8 +96,8 @@ def preserved_state(module: torch.nn.Module, inputs=(), parameters: bool = True)
     """Snapshot what a forward of `module` on `inputs` may change, the CPU/CUDA RNG and Python's and NumPy's
     global generators (fxopt.host_rng); restore on exit.
 
-    `parameters=False` leaves parameters out (copying them is most of the cost): for runs that
-    cannot write them, such as torch.export's, which turns writes to parameters into graph ops.
+    `parameters=False` leaves parameters out (copying them is most of the cost): for runs of graphs
+    that write none (timing and calibration runs under no_grad).
     """
     snapshot = _Snapshot(module, inputs, parameters)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []

@@ -1,9 +1,8 @@
 """Recognise an op in any of the forms a graph can hold it, as one record.
 
-The same convolution reaches fxopt as `aten.conv2d.default(x, weight, ...)` with `get_attr`
-weights (torch.export's ATen training IR, what `fxopt.optimize` captures), or as
-`torch.conv2d(x, weight_placeholder, ...)` / `F.conv2d(...)` where parameters are graph inputs
-(TorchDynamo, the torch.compile backend). `match_conv`, `match_linear` and `match_batch_norm`
+The same convolution reaches fxopt as `aten.conv2d.default(x, weight, ...)` (the ATen graph fxopt's
+backend traces; weights are placeholders, or `get_attr` once frozen), or as `torch.conv2d(...)` /
+`F.conv2d(...)` (a torch.fx trace of Python code). `match_conv`, `match_linear` and `match_batch_norm`
 turn each into a record whose tensor fields are graph nodes (`get_attr` or placeholder), so a
 pass is written once for both forms. A `call_module` is an opaque module (or a region fxopt
 made), never a layer these recognise.

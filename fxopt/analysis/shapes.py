@@ -53,40 +53,10 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
     remember_shape_sources(gm)
 
 
-def _storage(value):
-    return _torch_private.untyped_storage_key(value) if isinstance(value, torch.Tensor) else None
-
-
-def _may_return_an_input(node: fx.Node) -> bool:
-    """A decomposed op whose value looks like one of its inputs (same shape, strides and dtype): eager may
-    hand that input back as it is."""
-    val = node.meta.get("val")
-    if node.op != "call_function" or not isinstance(val, torch.Tensor) or not _torch_private.decomposed_at_runtime(
-            node.target):
-        return False
-    return any(isinstance(i := a.meta.get("val"), torch.Tensor) and (i.shape, i.stride(), i.dtype) ==
-               (val.shape, val.stride(), val.dtype) for a in node.all_input_nodes)
-
-
-def _keep_if_aliasing(node: fx.Node, rerun: FakeRerun) -> None:
-    """Run `node` again on export's fake tensors; keep the new value only if it aliases an input."""
-    before = node.meta["val"]
-    inputs = {_storage(t) for a in node.all_input_nodes for t in _torch_private.tree_leaves(a.meta.get("val"))}
-    try:
-        after = rerun.run(node)
-    except Exception:  # noqa: BLE001 - a node that needs real values: keep export's value
-        after = None
-    if isinstance(after, torch.Tensor) and _storage(after) in inputs and _storage(before) not in inputs:
-        rerun.keep(node, after)
-        rerun.changed.add(node)
-    else:
-        rerun.keep(node, before)
-
-
 class FakeRerun:
     """Runs chosen nodes of a graph again on the fake tensors its nodes hold (`meta["val"]`), one at a
-    time in the order the caller picks; every other node keeps its value. The one way fxopt re-runs part
-    of a graph: after a pass (`update_shapes`), on export's values, and after a layout change.
+    time in the order the caller picks; every other node keeps its value: after a pass (`update_shapes`)
+    and after a layout change.
 
     Used as a context manager: the first node run again that may have an effect (a train-mode
     BatchNorm bumps its real `num_batches_tracked` even on fake inputs) saves the model's state, and
