@@ -74,7 +74,7 @@ def run_step(model: torch.nn.Module, example_inputs: tuple, training: bool, diff
                 if p.grad is not None:
                     tensors[f"grad:{name}"] = p.grad
             for i, x in enumerate(inputs):
-                if isinstance(x, torch.Tensor) and x.grad is not None:
+                if isinstance(x, torch.Tensor) and x.is_leaf and x.grad is not None:
                     tensors[f"grad:{(input_names or {}).get(i, f'input[{i}]')}"] = x.grad
             for name, b in model.named_buffers():
                 tensors[f"buffer:{name}"] = b
