@@ -165,6 +165,7 @@ def test_other_sequence_length_and_batch():
 @pytest.mark.parametrize("mode, budget", [("inference", None), ("training", None),
                                           pytest.param("training", 0.5, marks=HEAVY)])
 @pytest.mark.parametrize("make_model, inputs", [(hf_bert, TOKENS), (hf_resnet, IMAGE)], ids=["bert", "resnet"])
+@pytest.mark.usefixtures("budget_may_be_unmet")
 def test_save_and_load_real_models(make_model, inputs, mode, budget, tmp_path):
     """torch.save / torch.load(weights_only=False) of a result gives a model computing the same step."""
     torch.manual_seed(0)
