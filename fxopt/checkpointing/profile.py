@@ -48,6 +48,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..op_names import op_name
+from ..graph_functions import declared
 from ..analysis.backward_temporaries import backward_temporary
 from ._batch_norm_replay import replayed_batch_norm
 from ..analysis.conv_scratch import conv_backward_scratch
@@ -627,28 +628,39 @@ def _parameter_gradient_bytes(node: fx.Node, gm: fx.GraphModule, trainable: froz
     from fxopt.analysis.grad_needs) before they accumulate into `.grad` (an embedding's is
     vocabulary-sized, and may hold the step's peak: docs/checkpointing.md)."""
     if node.op == "call_module":
-        params = [p for name, p in gm.get_submodule(node.target).named_parameters()
-                  if f"{node.target}.{name}" in trainable]
-    else:
-        params = [state[1] for a in node.all_input_nodes
-                  if (state := state_input(a, gm)) is not None and state[0] in trainable]
-    return sum(t.numel() * t.element_size() for t in params)
+        return sum(t.numel() * t.element_size() for name, t in gm.get_submodule(node.target).named_parameters()
+                   if f"{node.target}.{name}" in trainable)
+    return sum(_gradient_for(node, a, state[1]) for a in node.all_input_nodes
+               if (state := state_input(a, gm)) is not None and state[0] in trainable)
+
+
+def _gradient_for(reader: fx.Node, param: fx.Node, value: torch.Tensor) -> int:
+    """Bytes of the gradient `reader`'s backward makes for parameter `param`: its size, or what a graph helper
+    declares for its weight (a lookup's sparse rows: fxopt.passes._row_grads)."""
+    helper = declared(reader.target) if reader.op == "call_function" else None
+    if helper is not None and helper.weight_gradient is not None and reader.args and reader.args[0] is param:
+        return min(helper.weight_gradient(reader), value.numel() * value.element_size())
+    return value.numel() * value.element_size()
 
 
 def _waiting_parameter_gradient_bytes(gm: fx.GraphModule, position: dict, trainable: frozenset[str]) -> list[int]:
     """Per position: bytes of the gradients of parameters read at several positions (tied weights: BART's encoder and
     decoder share their embedding) waiting for the rest of their sum. Autograd adds up a parameter's gradients
-    before it accumulates them into `.grad`: the one the last reader's backward makes lives until the first
-    reader's backward (BART's: through the encoder's whole backward; docs/checkpointing.md)."""
+    before it accumulates them into `.grad`: the sum of those the later readers' backward made lives until the first
+    reader's backward (BART's: through the encoder's whole backward; docs/checkpointing.md). It is dense once one
+    of them is; sparse row gradients alone add up to at most their sizes."""
     waiting = [0] * len(position)
     for node in gm.graph.nodes:  # a parameter read as an attribute, or a graph input (TorchDynamo's form)
         state = state_input(node, gm) if node.op in ("get_attr", "placeholder") else None
-        readers = sorted({position[u] for u in node.users if u in position})
+        readers = sorted((position[u], u) for u in node.users if u in position)
         if state is None or state[0] not in trainable or len(readers) < 2:
             continue
-        value = state[1]
-        for q in range(readers[0], readers[-1]):  # the last reader's own backward counts it already
-            waiting[q] += value.numel() * value.element_size()
+        full = state[1].numel() * state[1].element_size()
+        held = 0
+        for (q, _), (_, later) in zip(readers[-2::-1], readers[:0:-1]):  # from the last reader back to the first
+            held = min(full, held + _gradient_for(later, node, state[1]))
+            for p in range(q, position[later]):  # the later reader's own backward counts its gradient already
+                waiting[p] += held
     return waiting
 
 

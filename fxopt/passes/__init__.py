@@ -11,9 +11,11 @@ from .fold_conv_bn import FoldConvBN
 from .inplace_relu import InplaceReLU
 from .pointwise_before_expand import PointwiseBeforeExpand
 from .prune_dead_grads import PruneDeadGrads
+from .tied_embedding_grads import TiedEmbeddingGrads
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (FoldConvBN, DropEvalDropout, DropZeroPads, InplaceReLU,
-                                                      CheckpointActivations, PruneDeadGrads, ChannelsLast)}
+                                                      TiedEmbeddingGrads, CheckpointActivations, PruneDeadGrads,
+                                                      ChannelsLast)}
 
 # Rewrites of AOTAutograd's joint forward-backward graph, run by fxopt.pipeline.compile_budget under memory_budget:
 # they keep values bitwise and let a recomputed region keep less. Not a model's passes: never chosen by name.

@@ -134,7 +134,8 @@ def _peak_text(profile: StepProfile, regions, refused: bool) -> str:
     if holders.waiting:
         parts.append("the gradient of " + ", ".join(f"{name} {_megabytes(n)}" for name, n in holders.waiting)
                      + ", read at several places (tied), waiting for its sum")
-        hints.append("freezing a tied parameter, or a sparse embedding gradient, removes its waiting gradient")
+        hints.append("tied_embedding_grads (training pipeline) makes a tied lookup's gradient its rows where it may: see "
+                     "its refusals in the report; freezing the tied parameter also removes its waiting gradient")
     parts.append(f"{_megabytes(holders.above_kept)} of gradients and scratch in all")
     hints.append("a smaller batch or sequence lowers every activation" +
                  (", and recomputable nodes in place of the refused ones more of them" if refused else ""))
@@ -284,4 +285,4 @@ class CheckpointActivations(Pass):
             recomputed_flops=after.recompute_flops,
             predicted_recompute_s=plan.recompute_cost / 1e9 if profile.timed else None,
             saved_bytes_before=before.saved_bytes, saved_bytes_after=after.saved_bytes,
-            peak_estimate_before=before.peak, peak_estimate_after=after.peak)
+            peak_estimate_captured=reference, peak_estimate_before=before.peak, peak_estimate_after=after.peak)
