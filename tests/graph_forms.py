@@ -31,7 +31,23 @@ def exported_graph(model: nn.Module, inputs: tuple) -> fx.GraphModule:
             read.meta = dict(node.meta)
             node.replace_all_uses_with(read)
             graph.erase_node(node)
-    return fx.GraphModule(model, graph)
+    # the model's tensors, and the constants capture made (a key/value cache's empty tensor: `_tensor_constant0`)
+    return fx.GraphModule({n.target: _attribute(model, n.target) if _has(model, n.target) else
+                           _attribute(captured.gm, n.target) for n in graph.find_nodes(op="get_attr")}, graph)
+
+
+def _has(root, target: str) -> bool:
+    try:
+        _attribute(root, target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _attribute(root, target: str):
+    for part in target.split("."):
+        root = getattr(root, part)
+    return root
 
 
 class _ThroughModules(fx.Tracer):
