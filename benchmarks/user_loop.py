@@ -3,6 +3,7 @@
     python benchmarks/user_loop.py                      # all three parts
     python benchmarks/user_loop.py --part inference     # BERT (4 layers) with attention_mask=, a new length per batch
     python benchmarks/user_loop.py --part training      # BertForSequenceClassification and GPT2LMHeadModel with labels=
+    python benchmarks/user_loop.py --part training --size default   # the same at the configs' own sizes
     python benchmarks/user_loop.py --part overhead      # per-call cost where the guards hold, and of an unoptimizable call
 
 inference: eager, `fxopt.optimize(model, example_kwargs=...)` and `torch.compile(model, backend="eager")` (Dynamo
@@ -11,7 +12,8 @@ list; the table gives each one's median call time after the first pass over the 
 eager, its outputs' largest difference from eager's, and the time of each variant's first call at a length it
 has not seen (the compiles). Torch runs on one thread (`--threads`), so other load on the machine hits all alike.
 
-training: each model, default config (SDPA attention, `use_cache=True` for GPT-2), dropout on, trained with
+training: each model, default config (SDPA attention, `use_cache=True` for GPT-2; 4 layers 256 wide, or with
+`--size default` the configs' own 12 layers 768 wide), dropout on, trained with
 `labels=` and `attention_mask=` at a length that changes every step, eager and fxopt (`memory_budget=0.5`)
 from the same seeds: losses per step, and the allocator's peak of one step at a length the result never saw.
 
@@ -36,16 +38,18 @@ from fxopt.measure import measure_allocator_peak
 LENGTHS = (37, 52, 64, 71, 88, 96, 109, 128)
 
 
-def _bert(layers: int = 4, classify: bool = False):
-    config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=256, num_attention_heads=4,
-                                     intermediate_size=1024, vocab_size=30522)
+SMALL = {"bert": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
+         "gpt2": dict(n_layer=4, n_embd=256, n_head=4)}  # --size small; --size default: the configs' own sizes
+
+
+def _bert(layers: int = 4, classify: bool = False, size: str = "small"):
+    sizes = {**SMALL["bert"], "num_hidden_layers": layers} if size == "small" else {}
     cls = transformers.BertForSequenceClassification if classify else transformers.BertModel
-    return cls(config)
+    return cls(transformers.BertConfig(**sizes))
 
 
-def _gpt2():
-    config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=50257)
-    return transformers.GPT2LMHeadModel(config)
+def _gpt2(size: str = "small"):
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**(SMALL["gpt2"] if size == "small" else {})))
 
 
 def _batch(length: int, batch: int = 8, vocab: int = 30522, seed: int = 0):
@@ -94,10 +98,10 @@ def inference(rounds: int) -> None:
     print(f"fxopt compiled {len(graphs)} graph(s); dynamic sizes of the last: {graphs[-1].dynamic_sizes}")
 
 
-def training(steps: int) -> None:
+def training(steps: int, size: str = "small") -> None:
     rows = []
-    for name, build, vocab in (("BertForSequenceClassification", lambda: _bert(classify=True), 30522),
-                               ("GPT2LMHeadModel", _gpt2, 50257)):
+    for name, build, vocab in (("BertForSequenceClassification", lambda: _bert(classify=True, size=size), 30522),
+                               ("GPT2LMHeadModel", lambda: _gpt2(size), 50257)):
         torch.manual_seed(0)
         model = build().train()
         reference = copy.deepcopy(model)
@@ -169,12 +173,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--size", choices=("small", "default"), default="small",
+                        help="training: 4 layers 256 wide, or the configs' own sizes (BERT-base, GPT-2 small)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.part in ("inference", "all"):
         inference(args.rounds)
     if args.part in ("training", "all"):
-        training(args.steps)
+        training(args.steps, args.size)
     if args.part in ("overhead", "all"):
         overhead(2000)
 
