@@ -3,6 +3,7 @@
     python benchmarks/inference.py           # batch 8, 224x224: ResNet-50 and MobileNetV2, hand-written + Hugging Face
     python benchmarks/inference.py --quick   # batch 2, 96x96, ResNet-18 and MobileNetV2, few rounds
     python benchmarks/inference.py --clock cpu   # one thread, CPU time of the calling thread
+    python benchmarks/inference.py --batch 4 --models resnet50 mobilenet_v2   # another batch, some models
 
 Every variant is prepared from its own deep copy of one calibrated eval-mode model and timed in
 this process, round-robin (each round calls every variant once, so load from other processes
@@ -172,6 +173,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="small inputs and models, few rounds")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="models to run (default: see --quick)")
     parser.add_argument("--rounds", type=int, help="timed calls per variant (median reported)")
+    parser.add_argument("--batch", type=int, help="images per call (default: see --quick)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="wall latency or one-thread CPU time")
     dev.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -179,6 +181,7 @@ def main(argv=None) -> None:
     settings = dataclasses.replace(QUICK if args.quick else FULL, clock=args.clock, device=device, dtype=dtype)
     settings.models = tuple(args.models or settings.models)
     settings.rounds = args.rounds or settings.rounds
+    settings.batch = args.batch or settings.batch
     if settings.clock == "cpu":
         torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
