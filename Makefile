@@ -21,8 +21,11 @@ install-browser:
 demo: install
 	$(PY) examples/seed_net.py
 
+# One pytest worker per core (the tests run torch on one thread each), each taking whole files.
+PARALLEL = -n auto --dist loadfile
+
 test: install-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PARALLEL)
 
 # Inductor compiles take 20-30 s each on CPU: a separate CI step (exit 5 = none selected is fine).
 test-slow: install-test
@@ -41,7 +44,7 @@ docs-images: install install-browser
 
 # Hugging Face models from config (tests/corpus): every model in inference, training, training + budget.
 test-corpus: install-test
-	$(PY) -m pytest -q -m corpus tests/corpus
+	$(PY) -m pytest -q $(PARALLEL) -m corpus tests/corpus
 
 # The corpus table (models x what each pass did), written to tests/corpus/TABLE.md.
 corpus-table: install-test

@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -11,6 +12,12 @@ from expected_warnings import budget_may_be_unmet, recompile_limit_may_be_reache
 # The tests run tiny tensors: one intra-op thread is faster than two and gives the same numbers
 # on every machine.
 torch.set_num_threads(1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Everything the suite made stays until the process exits: frozen, pytest's five closing garbage collections
+    need not walk it again (seconds over the compiled graphs; an xdist worker is interrupted after five)."""
+    gc.freeze()
 
 
 @pytest.fixture
