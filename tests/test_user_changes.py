@@ -67,6 +67,25 @@ def test_hook_registered_after_the_first_call_runs_and_torch_setting_is_kept():
     assert dynamo_config.skip_nnmodule_hook_guards == setting
 
 
+def test_hook_removed_goes_back_to_the_optimized_graph():
+    """Once a hook added after compiling is removed, the next call runs the graph fxopt optimized before it (no new
+    compile), not the model as written."""
+    model = Small().eval()
+    fast = fxopt.optimize(model, _x(), freeze=False)  # unfrozen: the graph module itself is what runs
+    optimized, runs = fast.graph_modules[0], []
+    forward = optimized.forward
+    optimized.forward = lambda *args: (runs.append(1), forward(*args))[1]  # the backend looks it up on every call
+    handle = fast.fc.register_forward_hook(lambda m, i, o: None)
+    x = _x()
+    with torch.no_grad():
+        fast(x)
+        handle.remove()
+        compiled, runs[:] = len(fast.fxopt_reports), []
+        out = fast(x)
+    assert runs == [1] and len(fast.fxopt_reports) == compiled
+    torch.testing.assert_close(out, model(x))
+
+
 def test_python_side_effects_in_forward_happen_on_every_call():
     """Appending to a list attribute, a module-level list and warnings.warn in forward happen per call, as in eager;
     an example call's changes to the model are put back (outside it, such as a global list, they stay)."""
