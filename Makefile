@@ -21,8 +21,9 @@ install-browser:
 demo: install
 	$(PY) examples/seed_net.py
 
-# One pytest worker per core (the tests run torch on one thread each), each taking whole files.
-PARALLEL = -n auto --dist loadfile
+# One pytest worker per core (the tests run torch on one thread each), each taking whole files; pytest-benchmark,
+# where installed, would only warn that xdist disables it (fxopt's tests time nothing with it).
+PARALLEL = -n auto --dist loadfile -p no:benchmark
 
 test: install-test
 	$(PY) -m pytest -q $(PARALLEL)
