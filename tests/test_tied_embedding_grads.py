@@ -215,10 +215,12 @@ def test_not_run_in_inference_or_on_the_compile_path():
     assert "AOTAutograd" in reports[0]["tied_embedding_grads"].skipped
 
 
-def test_hugging_face_bart_trained_with_labels_is_eagers_bit_for_bit():
-    """HF BART (library defaults, tiny sizes) called as users train it, `model(ids, attention_mask=m, labels=y)`: the
-    decoder lookup of the weight the encoder and the LM head share hands back rows, and losses and every gradient
-    over two steps at two lengths are eager's bits in float32."""
+@pytest.mark.parametrize("budget", [None, 0.5], ids=["no_budget", "budget_0.5"])
+@pytest.mark.usefixtures("budget_may_be_unmet")
+def test_hugging_face_bart_trained_with_labels_is_eagers_bit_for_bit(budget):
+    """HF BART (library defaults, tiny sizes) called as users train it, `model(ids, attention_mask=m, labels=y)`, with
+    and without checkpointed regions: the decoder lookup of the weight the encoder and the LM head share hands back
+    rows, and losses and every gradient over two steps at two lengths are eager's bits in float32."""
     transformers = pytest.importorskip("transformers")
     config = transformers.BartConfig(vocab_size=300, d_model=32, encoder_layers=1, decoder_layers=1,
                                      encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
@@ -226,7 +228,7 @@ def test_hugging_face_bart_trained_with_labels_is_eagers_bit_for_bit():
     torch.manual_seed(0)
     model = transformers.BartForConditionalGeneration(config).train()
     reference = copy.deepcopy(model)
-    optimized = fxopt.optimize(model, mode="training")
+    optimized = fxopt.optimize(model, mode="training", **({} if budget is None else {"memory_budget": budget}))
     for step, length in enumerate((12, 19)):
         ids = torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(step))
         mask = torch.ones_like(ids)
@@ -244,3 +246,5 @@ def test_hugging_face_bart_trained_with_labels_is_eagers_bit_for_bit():
         assert all(torch.equal(_bits(got[n]), _bits(expected[n])) for n in expected)
     actions = [s.action for r in optimized.fxopt_reports for s in r["tied_embedding_grads"].sites]
     assert "rows" in actions
+    if budget is not None:
+        assert any(r["checkpoint_activations"].figures.get("regions") for r in optimized.fxopt_reports)
