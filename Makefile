@@ -21,12 +21,12 @@ install-browser:
 demo: install
 	$(PY) examples/seed_net.py
 
-# One pytest worker per core (the tests run torch on one thread each), each taking whole files; pytest-benchmark,
-# where installed, would only warn that xdist disables it (fxopt's tests time nothing with it).
-PARALLEL = -n auto --dist loadfile -p no:benchmark
+# One pytest worker per core (the tests run torch on one thread each), each taking whole files (the corpus, one
+# file: single tests); pytest-benchmark, where installed, would only warn that xdist disables it (nothing uses it).
+WORKERS = -n auto -p no:benchmark
 
 test: install-test
-	$(PY) -m pytest -q $(PARALLEL)
+	$(PY) -m pytest -q $(WORKERS) --dist loadfile
 
 # Inductor compiles take 20-30 s each on CPU: a separate CI step (exit 5 = none selected is fine).
 test-slow: install-test
@@ -45,7 +45,7 @@ docs-images: install install-browser
 
 # Hugging Face models from config (tests/corpus): every model in inference, training, training + budget.
 test-corpus: install-test
-	$(PY) -m pytest -q $(PARALLEL) -m corpus tests/corpus
+	$(PY) -m pytest -q $(WORKERS) --dist load -m corpus tests/corpus
 
 # The corpus table (models x what each pass did), written to tests/corpus/TABLE.md.
 corpus-table: install-test
