@@ -98,17 +98,19 @@ def inference(rounds: int) -> None:
     print(f"fxopt compiled {len(graphs)} graph(s); dynamic sizes of the last: {graphs[-1].dynamic_sizes}")
 
 
-def training(steps: int, size: str = "small") -> None:
+def training(steps: int, size: str = "small", batch: int = 8, unseen: int = 100, models=("bert", "gpt2")) -> None:
     rows = []
     for name, build, vocab in (("BertForSequenceClassification", lambda: _bert(classify=True, size=size), 30522),
                                ("GPT2LMHeadModel", lambda: _gpt2(size), 50257)):
+        if ("bert" if "Bert" in name else "gpt2") not in models:
+            continue
         torch.manual_seed(0)
         model = build().train()
         reference = copy.deepcopy(model)
         fast = fxopt.optimize(model, memory_budget=0.5)
         losses = []
         for step in range(steps):
-            ids, mask = _batch(LENGTHS[step % len(LENGTHS)], vocab=vocab, seed=step)
+            ids, mask = _batch(LENGTHS[step % len(LENGTHS)], batch, vocab=vocab, seed=step)
             labels = torch.randint(0, 2, (ids.shape[0],)) if "Bert" in name else ids
             pair = []
             for m in (reference, fast):
@@ -119,7 +121,7 @@ def training(steps: int, size: str = "small") -> None:
             model.zero_grad(), reference.zero_grad()
             losses.append(pair)
         equal = all(a == b for a, b in losses)
-        ids, mask = _batch(100, vocab=vocab, seed=99)  # a length neither has seen
+        ids, mask = _batch(unseen, batch, vocab=vocab, seed=99)  # a length neither has seen
         labels = torch.randint(0, 2, (ids.shape[0],)) if "Bert" in name else ids
 
         def loss_of(m):
@@ -132,7 +134,7 @@ def training(steps: int, size: str = "small") -> None:
         rows.append([name, steps, "yes" if equal else f"no: {losses}", f"{eager_peak / 2**20:.1f}",
                      f"{fxopt_peak / 2**20:.1f}", f"{fxopt_peak / eager_peak:.3f}", len(fast.fxopt_reports),
                      len(plans[-1]) if plans else 0])
-    print(tabulate(rows, headers=["model", "steps", "losses equal eager's", "eager peak MiB (len 100)",
+    print(tabulate(rows, headers=["model", "steps", "losses equal eager's", f"eager peak MiB ({batch} x {unseen})",
                                   "fxopt peak MiB", "ratio", "graphs", "regions (last plan)"]))
 
 
@@ -175,12 +177,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--size", choices=("small", "default"), default="small",
                         help="training: 4 layers 256 wide, or the configs' own sizes (BERT-base, GPT-2 small)")
+    parser.add_argument("--batch", type=int, default=8, help="training: sequences per step")
+    parser.add_argument("--unseen-length", type=int, default=100, help="training: the length the peak is measured at")
+    parser.add_argument("--models", default="bert,gpt2", help="training: bert, gpt2 or both")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.part in ("inference", "all"):
         inference(args.rounds)
     if args.part in ("training", "all"):
-        training(args.steps, args.size)
+        training(args.steps, args.size, args.batch, args.unseen_length, args.models.split(","))
     if args.part in ("overhead", "all"):
         overhead(2000)
 
