@@ -370,6 +370,13 @@ def grad_and_autocast_state_calls() -> frozenset:
                       torch.amp.autocast_mode._exit_autocast})
 
 
+def is_tensor_subclass(t: torch.Tensor) -> bool:
+    """Whether `t` (or the value a fake tensor stands for) is a wrapper subclass such as DTensor."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t)
+
+
 def has_storage_bytes(t: torch.Tensor) -> bool:
     """Whether a (plain or DTensor) tensor's storage still holds bytes; FSDP2 frees storages with resize_(0)."""
     local = t.to_local() if hasattr(t, "to_local") else t

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .. import _torch_private
 from ..analysis.grad_needs import GradNeeds, analyze_grad_needs
 from ..analysis.ops import state_input
 from ..analysis.side_effects import MUTATION, OPAQUE, effects
+from ..op_names import call_arguments
 from ._row_grads import embedding_row_grads
 from .base import TRAINING, Pass, PassContext, PassResult, site_name
 
@@ -57,22 +58,24 @@ class TiedEmbeddingGrads(Pass):
             return result
         outputs = next(iter(gm.graph.find_nodes(op="output"))).all_input_nodes
         needs = analyze_grad_needs(gm, outputs, ctx.constant_inputs)
+        outputs = frozenset(outputs)
         for weight in gm.graph.nodes:
             state = state_input(weight, gm) if weight.op in ("get_attr", "placeholder") else None
             readers = [u for u in weight.users if needs.recorded(u)]
             if state is None or state[0] not in needs.params_needing_grad or len(readers) < 2:
                 continue
-            reach = {r: _reach(r, needs, gm) for r in readers}
+            reach = {r: _reach(r, outputs, needs, gm) for r in readers}
             anchor = max(readers, key=lambda r: len(reach[r][0]))
             for lookup in readers:
                 if lookup is anchor or lookup.target is not _EMBEDDING or lookup.args[0] is not weight:
                     continue
-                reason = _refusal(lookup, state[1], reach[lookup], reach[anchor][0])
+                arguments = call_arguments(lookup)  # weight, indices, padding_idx, scale_grad_by_freq, sparse
+                reason = _refusal(arguments, state[1], reach[lookup], reach[anchor][0])
                 if reason:
                     result.record("refused", site_name(lookup), reason, f"its gradient stays dense ({lookup.name})")
                     continue
                 with gm.graph.inserting_before(lookup):
-                    rows = gm.graph.call_function(embedding_row_grads, _lookup_arguments(lookup))
+                    rows = gm.graph.call_function(embedding_row_grads, tuple(arguments.values())[:4])
                 rows.meta = dict(lookup.meta)
                 lookup.replace_all_uses_with(rows)
                 gm.graph.erase_node(lookup)
@@ -83,10 +86,10 @@ class TiedEmbeddingGrads(Pass):
         return result
 
 
-def _reach(start: fx.Node, needs: GradNeeds, gm: fx.GraphModule) -> tuple[frozenset[fx.Node], bool]:
-    """The output values `start`'s value reaches through recorded ops, and whether that way is plain (no in-place
+def _reach(start: fx.Node, outputs: frozenset[fx.Node], needs: GradNeeds,
+           gm: fx.GraphModule) -> tuple[frozenset[fx.Node], bool]:
+    """The `outputs` `start`'s value reaches through recorded ops, and whether that way is plain (no in-place
     write, no opaque code: the walk stops there, so the first is what surely reaches the outputs)."""
-    outputs = set(next(iter(gm.graph.find_nodes(op="output"))).all_input_nodes)
     reached, seen, todo, plain = set(), {start}, [start], True
     while todo:
         node = todo.pop()
@@ -103,21 +106,12 @@ def _reach(start: fx.Node, needs: GradNeeds, gm: fx.GraphModule) -> tuple[frozen
     return frozenset(reached), plain
 
 
-def _lookup_arguments(lookup: fx.Node) -> tuple:
-    """(weight, indices, padding_idx, scale_grad_by_freq) of an `aten.embedding` node, defaults filled in."""
-    names = ("padding_idx", "scale_grad_by_freq")
-    defaults = (-1, False)
-    extra = tuple(lookup.args[2 + i] if len(lookup.args) > 2 + i else lookup.kwargs.get(n, d)
-                  for i, (n, d) in enumerate(zip(names, defaults)))
-    return (*lookup.args[:2], *extra)
-
-
-def _refusal(lookup: fx.Node, weight: torch.Tensor, reach: tuple[frozenset, bool], anchor_reach: frozenset) -> str:
-    if is_traceable_wrapper_subclass(weight) or weight.layout != torch.strided:
+def _refusal(arguments: dict, weight: torch.Tensor, reach: tuple[frozenset, bool], anchor_reach: frozenset) -> str:
+    if _torch_private.is_tensor_subclass(weight) or weight.layout != torch.strided:
         return "not_a_plain_tensor"
     if weight.device.type != "cpu":
         return "not_cpu"
-    if (lookup.args[4:5] or [lookup.kwargs.get("sparse", False)])[0]:
+    if arguments["sparse"]:
         return "sparse_embedding"
     reached, plain = reach
     if not plain:
