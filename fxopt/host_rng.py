@@ -29,3 +29,14 @@ def forked_host_rng(seed: int | None = None):
         random.setstate(python_state)
         if numpy_random is not None:
             numpy_random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def forked_rng():
+    """Every generator a forward may draw from put back on exit: torch's (CPU, and the current CUDA device once
+    CUDA is initialized), Python's and NumPy's."""
+    import torch
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), forked_host_rng():
+        yield

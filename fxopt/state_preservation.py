@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import _torch_private
-from .host_rng import forked_host_rng
+from .host_rng import forked_rng
 from .tree import tensors_in
 from .user_code import plain_attributes
 
@@ -100,8 +100,7 @@ def preserved_state(module: torch.nn.Module, inputs=(), parameters: bool = True)
     that write none (timing and calibration runs under no_grad).
     """
     snapshot = _Snapshot(module, inputs, parameters)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), forked_host_rng():
+    with forked_rng():
         try:
             yield
         finally:

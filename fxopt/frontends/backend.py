@@ -8,8 +8,10 @@ Dynamo hands a backend one graph per captured region (a graph break gives severa
 splits at bucket boundaries), with the model's parameters and buffers as graph inputs. Each graph is
 traced to ATen ops (fxopt.capture.aten_graph: pre-dispatch, so autograd still sees every op; Dynamo's
 symbolic sizes kept) and goes through the passes `build_pipeline` chooses (fxopt/pipeline/run.py),
-planned at the sizes of the call being compiled. Mode: "training" when autograd will differentiate the
-graph (grad enabled and an input requires grad), else "inference". A graph the ATen trace would change
+planned at the sizes of the call being compiled (on the eager path a dynamic training graph under
+memory_budget is planned again at the first call of each size class: fxopt/frontends/size_classes.py).
+Mode: "training" when autograd will differentiate the graph (grad enabled and an input requires grad),
+else "inference". A graph the ATen trace would change
 (a custom autograd Function) runs as Dynamo captured it, with one warning and the reason in its report.
 
 Lowering (`inner`):
@@ -60,7 +62,7 @@ from ..analysis.ops import match_batch_norm
 from ..analysis.written_state import written_state
 from ..capture import NotTraceable, aten_graph
 from ..errors import FxoptError
-from ..host_rng import forked_host_rng
+from ..host_rng import forked_rng
 from ..model_copy import graph_module_copy
 from ..output_selection import OutputPlaces, chosen_outputs, parse_differentiable_outputs
 from ..passes import PASSES
@@ -71,6 +73,7 @@ from ..pipeline.report import Report
 from ..pipeline.run import from_dynamo_graph, run_pipeline
 from ..pipeline.verify import Verifier
 from ..user_code import warn_at_users_line
+from .size_classes import SizeClassPlans, describe_class, symbolic_dims
 
 INNER_COMPILERS = ("eager", "inductor", "aot_eager")
 
@@ -151,14 +154,14 @@ class FxoptBackend:
         return backend
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
-        compiled = compile_graph(gm, list(example_inputs), self.options, self.reports.append)
-        graph = compiled if isinstance(compiled, fx.GraphModule) else getattr(compiled, "eager_graph", None)
-        if graph is not None:
-            self.graph_modules.append(graph)
-            self.graph_inputs.append([weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in example_inputs])
+        compiled = compile_graph(gm, list(example_inputs), self.options, self.reports.append, self._keep_graph)
         if isinstance(compiled, fx.GraphModule):
             return _forward_of(compiled)
         return compiled
+
+    def _keep_graph(self, graph: fx.GraphModule, inputs: list) -> None:
+        self.graph_modules.append(graph)
+        self.graph_inputs.append([weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in inputs])
 
     def inputs_of(self, index: int) -> list | None:
         """The inputs graph module `index` was compiled on (parameters, the call's tensors), while they live."""
@@ -187,31 +190,55 @@ def backend(**options) -> FxoptBackend:
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOptions,
-                  on_report: Callable[[Report], object] | None = None):
+                  on_report: Callable[[Report], object] | None = None,
+                  on_graph: Callable[[fx.GraphModule, list], object] | None = None):
     """`_compile_graph`, leaving torch's, Python's and NumPy's random streams where they were: a compile inside
-    the user's call (a recompile, a first call) must not shift what the model draws next."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), forked_host_rng():
-        return _compile_graph(gm, example_inputs, options, on_report)
+    the user's call (a recompile, a first call) must not shift what the model draws next. `on_report` gets
+    each graph's report, `on_graph` each optimized graph the eager path runs, with the inputs it was made on."""
+    with forked_rng():
+        return _compile_graph(gm, example_inputs, options, on_report, on_graph)
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOptions,
-                   on_report: Callable[[Report], object] | None = None):
+                   on_report: Callable[[Report], object] | None = None,
+                   on_graph: Callable[[fx.GraphModule, list], object] | None = None):
     """Optimize one Dynamo graph with fxopt's pipeline, report, and lower it: run it eagerly, or hand it to
     AOTAutograd (with Inductor, or without code generation).
 
     Dynamo's graph is traced to ATen ops first (pre-dispatch: autograd still sees every op), the form every
     pass knows. The passes plan at this call's sizes (a dynamic graph's symbolic sizes take their values from
-    it); the graph itself stays generic, so what they decided holds at every size the graph runs.
+    it); the graph itself stays generic, so it runs at every size. On the eager path a dynamic training graph
+    under `memory_budget` is planned again at the first call of each size class (fxopt/frontends/size_classes.py);
+    otherwise one plan serves every size, and the report says which.
     """
     training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                for x in example_inputs)
     mode = TRAINING if training else INFERENCE
-    eager = options.inner == "eager"
     try:
         aten, constant_inputs = aten_graph(gm, example_inputs)
     except NotTraceable as e:  # run as Dynamo captured it: eager's ops, eager's cost, never a wrong result
         return _unoptimized(gm, example_inputs, Report(mode, not_optimized=str(e)), options, on_report)
+    dims = symbolic_dims(gm) if training and options.memory_budget is not None and options.inner == "eager" else []
+    if not dims:
+        return _optimized(aten, example_inputs, constant_inputs, gm, mode, options, on_report, on_graph)
+    pristine = graph_module_copy(aten)
+
+    def plan(args: list, size_class: str):
+        """The graph planned at `args`' sizes, at the first call of their class (inside the user's call)."""
+        with _torch_private.outside_tracing_context(), forked_rng():
+            return _forward_of(_optimized(graph_module_copy(pristine), args, constant_inputs, gm, mode, options,
+                                          on_report, on_graph, size_class))
+
+    first = _optimized(aten, example_inputs, constant_inputs, gm, mode, options, on_report, on_graph,
+                       describe_class(dims, SizeClassPlans.key_of(dims, example_inputs)))
+    return SizeClassPlans(dims, example_inputs, _forward_of(first), plan)
+
+
+def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str], gm: fx.GraphModule,
+               mode: str, options: BackendOptions, on_report, on_graph, size_class: str = ""):
+    """`aten` (Dynamo's graph `gm` traced) through the pipeline of `mode`, planned at `example_inputs`' sizes,
+    reported and lowered."""
+    training = mode == TRAINING
     statistics = _batch_norm_statistics(aten)  # before the passes fold them away
     pass_options = options.pass_options(mode)
     pipeline = build_pipeline(mode, options.passes, pass_options, mode_per_graph=True)
@@ -221,13 +248,18 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
         verifier = Verifier(aten, concrete, training, differentiable=_differentiated_positions(aten, options),
                             inputs_are_state=True) if options.verify else None
         captured = from_dynamo_graph(aten, concrete, f"dynamo_graph_{next(_graph_numbers)}", constant_inputs)
-        ctx = PassContext(mode, pass_options, constant_inputs, aot_autograd_next=not eager,
+        ctx = PassContext(mode, pass_options, constant_inputs, aot_autograd_next=options.inner != "eager",
                           output_places=options.output_places)
         report = run_pipeline(captured, pipeline, ctx, instruments=options.instruments, verifier=verifier)
     report.dynamic_sizes = _symbolic_inputs(gm)
-    _note_dynamo_facts(report)
+    report.size_class = size_class
+    if not size_class:
+        _note_dynamo_facts(report)  # a size class planned later is fxopt's, not a compile of Dynamo's
     compiled = _lowered(aten, example_inputs, constant_inputs, statistics, training, options, report)
     _deliver(report, options.report, on_report)
+    graph = compiled if isinstance(compiled, fx.GraphModule) else getattr(compiled, "eager_graph", None)
+    if graph is not None and on_graph is not None:
+        on_graph(graph, example_inputs)
     return compiled
 
 

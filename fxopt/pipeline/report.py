@@ -53,6 +53,7 @@ class Report:
     graphs: list[str] = dataclasses.field(default_factory=list)  # the graph's name
     dynamic_sizes: list[str] = dataclasses.field(default_factory=list)  # inputs with symbolic sizes (passes planned at
     # the sizes of the call that compiled the graph; what they decided holds at every size)
+    size_class: str = ""  # a plan per size class (a dynamic training graph under memory_budget): the sizes it serves
     compile_id: str | None = None  # Dynamo's: "frame/attempt"
     recompile_reason: str | None = None  # the guard that failed, for a graph compiled again
     graph_breaks: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (Dynamo's reason, file:line)
@@ -70,6 +71,7 @@ class Report:
             "graphs": list(self.graphs),
             "passes": [p.to_dict() for p in self.passes],
             "dynamic_sizes": list(self.dynamic_sizes),
+            "size_class": self.size_class,
             "compile_id": self.compile_id,
             "recompile_reason": self.recompile_reason,
             "graph_breaks": [list(b) for b in self.graph_breaks],
@@ -111,9 +113,12 @@ class Report:
         if self.graph_breaks:
             lines += ["", "Graph breaks (the code between graphs runs as Python):",
                       tabulate([[where, why] for why, where in self.graph_breaks], headers=["where", "Dynamo's reason"])]
-        if self.dynamic_sizes:
-            lines += ["", "Dynamic sizes (planned at the sizes of the call that compiled the graph): "
-                      + "; ".join(self.dynamic_sizes)]
+        if self.size_class:
+            lines += ["", f"Dynamic sizes: {'; '.join(self.dynamic_sizes)}. This plan serves the size class "
+                      f"{self.size_class}; the first call of another class is planned at its own sizes"]
+        elif self.dynamic_sizes:
+            lines += ["", "Dynamic sizes (planned at the sizes of the call that compiled the graph; one plan serves "
+                      "every size): " + "; ".join(self.dynamic_sizes)]
         return lines
 
     def __str__(self) -> str:
