@@ -12,6 +12,7 @@ Passes emit these helpers as single `call_function` nodes. Each is declared once
                      says for `name` (`fxopt.analysis.saved_tensors`)
   weight_gradient    bytes of the gradient its backward makes for its weight (its first argument), given its node,
                      where that is not the weight's size (a sparse gradient); None: the weight's size
+  gradient_in_place  its backward writes its input's gradient over its output's (one tensor, not two)
   runs_without_grad  "callable" or "method": it runs its first argument (a module, a function name, a
                      method name) under `torch.no_grad()`, and has that call's effects (side_effects,
                      `fxopt.analysis.grad_needs`)
@@ -38,6 +39,7 @@ class Declared:
     updates_stats: bool = False
     saves: Callable | None = None  # node -> bytes its backward keeps
     weight_gradient: Callable | None = None  # node -> bytes of its weight's gradient
+    gradient_in_place: bool = False  # its input's gradient is written over its output's
     runs_without_grad: str | None = None  # "callable", "method" or None
     opaque: bool = False
 
@@ -47,10 +49,11 @@ _GRAPH_FUNCTIONS: dict = {}  # function -> Declared
 
 def graph_function(fn=None, *, name: str | None = None, mutates: bool = False, updates_stats: bool = False,
                    saves: Callable | None = None, weight_gradient: Callable | None = None,
-                   runs_without_grad: str | None = None, opaque: bool = False):
+                   gradient_in_place: bool = False, runs_without_grad: str | None = None, opaque: bool = False):
     """Declare `fn` as put into graphs by fxopt (see module docstring); bare, or with its facts."""
     def declare(f):
-        _GRAPH_FUNCTIONS[f] = Declared(name, mutates, updates_stats, saves, weight_gradient, runs_without_grad, opaque)
+        _GRAPH_FUNCTIONS[f] = Declared(name, mutates, updates_stats, saves, weight_gradient, gradient_in_place,
+                                         runs_without_grad, opaque)
         return f
 
     return declare(fn) if fn is not None else declare

@@ -685,11 +685,17 @@ def _gradient_bytes(calls: list[fx.Node], position: dict, n: int, needs_grad: se
 
 
 def _shared_gradient_bytes(calls: list[fx.Node], position: dict, needs_grad: set) -> list[int]:
-    """Per position: bytes _gradient_bytes counts twice because autograd makes them one tensor. An add hands its
+    """Per position: bytes _gradient_bytes counts twice because autograd makes them one tensor. A helper declared
+    `gradient_in_place` writes its input's gradient over its output's. An add hands its
     output's gradient to both inputs as it is, and an alias (a view, a p=0 dropout) hands it on to its input:
     from the branch's last op that makes a tensor up to the add, the residual stream passing over holds the
     gradient the branch holds (HF ViT: the residual's and the MLP output's gradient at fc2's backward)."""
     shared = [0] * len(calls)
+    for node in calls:  # a helper writing its input's gradient over its output's (fxopt.graph_functions)
+        helper = declared(node.target) if node.op == "call_function" else None
+        out = tensor_meta(node)
+        if helper is not None and helper.gradient_in_place and out is not None and node.args[0] in needs_grad:
+            shared[position[node]] += out.numel() * out.element_size()
     for add in calls:
         inputs = [a for a in add.args[:2] if isinstance(a, fx.Node)]
         out = tensor_meta(add)

@@ -14,9 +14,10 @@ DEFAULT_PIPELINES: dict[str, tuple[str, ...]] = {
     # regions (and out of what they keep), while inplace_relu sees a region call as an unknown op and never
     # writes into its inputs or outputs, so each pass's gain survives the other. drop_eval_dropout before
     # both: a dropout that returns its input is neither a step to plan around nor a producer that hides one.
-    # tied_embedding_grads before checkpoint_activations: the planner prices the sparse gradients it makes.
+    # tied_embedding_grads and inplace_log_softmax_grad before checkpoint_activations: the planner prices the
+    # sparse gradients and the shared gradient they make.
     "training": ("fold_conv_bn", "prune_dead_grads", "drop_zero_pads", "drop_eval_dropout", "tied_embedding_grads",
-                 "checkpoint_activations", "inplace_relu"),
+                 "inplace_log_softmax_grad", "checkpoint_activations", "inplace_relu"),
 }
 
 # Keywords of fxopt.optimize besides pass options: a misspelling of one is caught as a stray option.
