@@ -8,6 +8,7 @@ import contextlib
 import functools
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -574,6 +575,37 @@ def compile_on_its_own(module: torch.nn.Module, backend, dynamic: bool | None = 
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
         return torch.compile(module, backend=backend, dynamic=dynamic, isolate_recompiles=True)
     return torch.compile(module, backend=backend, dynamic=dynamic)
+
+
+def compile_with_settings(module: torch.nn.Module, backend, after_compile: Callable[[], object]):
+    """`compile_on_its_own(module, backend)` whose FXOPT_DYNAMO_SETTINGS apply while Dynamo compiles a frame of it (or
+    decides not to), then `after_compile()` runs: Dynamo's frame callback, which it calls only where no compiled code's
+    guards hold, wrapped as its own wrappers are (`_torchdynamo_orig_backend`). Returns (compiled, True); or
+    (compiled, False) where this torch's OptimizedModule is not laid out so, and the caller applies the settings
+    around each call."""
+    compiled = compile_on_its_own(module, backend)
+    context = getattr(compiled, "dynamo_ctx", None)
+    if not (callable(getattr(context, "callback", None)) and hasattr(compiled, "_initialize")):
+        return compiled, False
+    context.callback = _CompilingWithSettings(context.callback, after_compile)
+    compiled._initialize()  # wraps the module's call again, with the new callback
+    return compiled, True
+
+
+class _CompilingWithSettings:
+    """Dynamo's frame callback under FXOPT_DYNAMO_SETTINGS, calling `after_compile` when it returns."""
+
+    def __init__(self, callback, after_compile: Callable[[], object]):
+        self._torchdynamo_orig_backend = callback  # how Dynamo finds the backend inside its callback wrappers
+        self.callback, self.after_compile = callback, after_compile
+
+    def __call__(self, *args, **kwargs):
+        entered = enter_fxopt_dynamo_settings()
+        try:
+            return self.callback(*args, **kwargs)
+        finally:
+            leave_fxopt_dynamo_settings(entered)
+            self.after_compile()
 
 
 # TorchDynamo settings for the calls of an fxopt.optimize result, where torch's defaults would let the compiled

@@ -51,7 +51,9 @@ class OptimizedModule(torch.nn.Module):
         d.update(_parameters=original._parameters, _buffers=original._buffers, _modules=original._modules,
                  _non_persistent_buffers_set=original._non_persistent_buffers_set)
         d["_backend"] = backend
-        d["_compiled"] = _torch_private.compile_on_its_own(original, backend)
+        d["_limit_hits"] = _torch_private.recompile_limit_hits()[0]
+        d["_compiled"], d["_settings_at_compile"] = _torch_private.compile_with_settings(
+            original, backend, self._check_recompile_limit)
         forward = _forward_with_signature_of(original)
         if forward is not None:  # an instance attribute: what `inspect.signature(result.forward)` reads
             d["forward"] = types.MethodType(forward, self)
@@ -59,19 +61,29 @@ class OptimizedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if _torch_private.is_compiling():  # an outer torch.compile / torch.export traces the model itself
             return self.original(*args, **kwargs)
+        if not self._settings_at_compile:  # a torch whose frame callback fxopt cannot wrap: settings on every call
+            return self._forward_with_settings(*args, **kwargs)
+        try:  # the compiled module's own forward: its Module.__call__ adds only a layer with no hooks of its own
+            return self._compiled.forward(*args, **kwargs)
+        except _torch_private.backend_compiler_failed() as e:
+            raise _fxopt_error_inside(e) from None
+
+    def _forward_with_settings(self, *args, **kwargs):
         entered = _torch_private.enter_fxopt_dynamo_settings()  # hooks guarded, NumPy's own stream, floats constant
-        limit_hits, _ = _torch_private.recompile_limit_hits()
         try:
             return self._compiled(*args, **kwargs)
-        except _torch_private.backend_compiler_failed() as e:  # say what failed in fxopt, not in Dynamo's words
-            inner = getattr(e, "inner_exception", None) or e.__cause__
-            if isinstance(inner, FxoptError):
-                raise inner from None
-            raise
+        except _torch_private.backend_compiler_failed() as e:
+            raise _fxopt_error_inside(e) from None
         finally:
             _torch_private.leave_fxopt_dynamo_settings(entered)
-            if _torch_private.recompile_limit_hits()[0] != limit_hits:
-                self._warn_recompile_limit()
+            self._check_recompile_limit()
+
+    def _check_recompile_limit(self) -> None:
+        """After Dynamo compiled (or declined to): warn if it ran a call as written because a limit was reached."""
+        hits = _torch_private.recompile_limit_hits()[0]
+        if hits != self.__dict__["_limit_hits"]:
+            self.__dict__["_limit_hits"] = hits
+            self._warn_recompile_limit()
 
     def _warn_recompile_limit(self) -> None:
         """Once per result: a call Dynamo would have compiled anew ran as the model's own code (eager's cost)."""
@@ -204,6 +216,12 @@ class OptimizedModule(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{type(self.original).__name__}, {len(self._backend.reports)} graph(s) compiled"
+
+
+def _fxopt_error_inside(error: Exception) -> Exception:
+    """What failed in fxopt's backend, in fxopt's words (an FxoptError), rather than Dynamo's wrapper of it."""
+    inner = getattr(error, "inner_exception", None) or error.__cause__
+    return inner if isinstance(inner, FxoptError) else error
 
 
 _RECLASSED: dict[type, type] = {}
