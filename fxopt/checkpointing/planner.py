@@ -33,7 +33,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 
-from .profile import Estimate, Region, StepProfile, estimate
+from .profile import LEAST_LOSS_TENSORS, Estimate, Region, StepProfile, estimate
 
 
 MAX_LABELS = 64  # bands of bytes kept per position and held tensors: bounds the search at a small loss of optimality
@@ -198,10 +198,16 @@ def untimed(profile: StepProfile) -> StepProfile:
 
 def plan_floor(profile: StepProfile, checkpointable: Sequence[bool],
                allowed: Callable[[Region], bool] = lambda region: True) -> tuple[Region, ...]:
-    """The plan applied when no plan fits a budget: the lowest estimated peak, and among plans reaching it
-    the fewest recomputed FLOPs. Priced by FLOPs, not by measured times, so every budget below the floor
-    gets the same plan in every run (plans of equal estimated peak may differ in measured peak)."""
-    profile = untimed(profile)
+    """The plan applied when no plan fits a budget: the lowest estimated peak, and among plans reaching it the fewest
+    recomputed FLOPs. Priced by FLOPs, not by measured times, so every budget below the floor gets the same plan in
+    every run (plans of equal estimated peak may differ in measured peak).
+
+    The caller's loss after the forward is priced here at the least a loss holds (LEAST_LOSS_TENSORS: the outputs'
+    gradients), not the budget's cautious guess: with the guess, every plan keeping about as little ties at a peak
+    the loss holds, however high the graph's own backward climbs (one region over the whole model, recomputed
+    while the logits' gradient is alive), and a loss that holds less (a cross-entropy fxopt captured too:
+    inplace_log_softmax_grad) then leaves the step's peak in that backward."""
+    profile = untimed(profile).with_loss_tensors(LEAST_LOSS_TENSORS)
     lowest_plan = plan_regions(profile, math.inf, checkpointable, objective="peak", allowed=allowed)
     cheapest = plan_regions(profile, estimate(profile, lowest_plan).peak, checkpointable, allowed=allowed)
     return cheapest if cheapest is not None else lowest_plan

@@ -66,6 +66,7 @@ Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout
 COPY = "copy"  # the key (COPY, node name): the copies of its inputs a node saves (saved_tensors.saved_copies)
 STATE = "checkpoint_state"  # the key (STATE, start, stop): what the region over [start, stop) keeps besides tensors
 CALLER_LOSS_TENSORS = 4  # output-sized tensors the caller's loss holds at its backward's peak (module docstring)
+LEAST_LOSS_TENSORS = 1  # the least a loss holds: the outputs' gradients (planner.plan_floor)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,6 +136,7 @@ class StepProfile:
     overhead: RegionOverhead | None = None  # what regions cost beyond their ops (timed profiles only)
     rng_state: int = 0  # bytes of the RNG state a region's checkpoint copies where the step's memory is (0 off CPU)
     loss_outputs: frozenset = frozenset()  # with `caller_loss`: the outputs' storages the caller's loss differentiates
+    loss_tensors: int = CALLER_LOSS_TENSORS  # output-sized tensors the caller's loss holds (module docstring)
 
     @property
     def timed(self) -> bool:
@@ -325,7 +327,7 @@ class StepProfile:
     def _caller_loss_above(self, kept: frozenset) -> int:
         """Live bytes above everything kept while the caller's loss runs its backward: the outputs no step keeps,
         and the loss's own tensors (module docstring)."""
-        return self.bytes_of(self.loss_outputs - kept) + CALLER_LOSS_TENSORS * self.bytes_of(self.loss_outputs)
+        return self.bytes_of(self.loss_outputs - kept) + self.loss_tensors * self.bytes_of(self.loss_outputs)
 
     def _cached_outputs(self, r: Region) -> frozenset:
         """The outputs a selective region keeps that its recomputation takes from torch's cache, which drops each
@@ -381,10 +383,19 @@ class StepProfile:
         """The same memory profile with `steps` priced otherwise (no region overhead): it shares the
         memory caches, which do not depend on prices."""
         other = StepProfile(steps, self.nbytes, self.last_read, self.grad_live, rng_state=self.rng_state,
-                            loss_outputs=self.loss_outputs)
+                            loss_outputs=self.loss_outputs, loss_tensors=self.loss_tensors)
         other._regions, other._deltas, other._spans = self._regions, self._deltas, self._spans
         other._holders = self._holders
         other._aboves = self._aboves
+        return other
+
+    def with_loss_tensors(self, loss_tensors: int) -> StepProfile:
+        """The same profile with the caller's loss holding `loss_tensors` output-sized tensors (memory caches that do
+        not depend on it shared)."""
+        other = StepProfile(self.steps, self.nbytes, self.last_read, self.grad_live, self.overhead, self.rng_state,
+                            self.loss_outputs, loss_tensors)
+        other._regions, other._spans, other._holders, other._aboves = (self._regions, self._spans, self._holders,
+                                                                       self._aboves)
         return other
 
     @staticmethod
