@@ -78,8 +78,9 @@ def test_each_new_size_class_is_planned_once_and_steps_stay_eagers():
             assert torch.equal(expected, got)
             for (name, p), q in zip(model.named_parameters(), reference.parameters()):
                 assert torch.equal(p.grad, q.grad), name
-    dynamic = [c for c in _classes(fast) if c]
-    assert dynamic == ["l_ids_ dim 1 in 9..16", "l_ids_ dim 1 in 33..64"]
+    dynamic = [r for r in fast.fxopt_reports if r.size_class]
+    assert [r.size_class for r in dynamic] == ["l_ids_ dim 1 in 9..16", "l_ids_ dim 1 in 33..64"]
+    assert dynamic[0].recompile_reason and dynamic[1].recompile_reason is None  # Dynamo's compile, then fxopt's plan
     assert "This plan serves the size class l_ids_ dim 1 in 33..64" in str(fast.fxopt_reports[-1])
 
 

@@ -11,8 +11,8 @@ symbolic sizes kept) and goes through the passes `build_pipeline` chooses (fxopt
 planned at the sizes of the call being compiled (on the eager path a dynamic training graph under
 memory_budget is planned again at the first call of each size class: fxopt/frontends/size_classes.py).
 Mode: "training" when autograd will differentiate the graph (grad enabled and an input requires grad),
-else "inference". A graph the ATen trace would change
-(a custom autograd Function) runs as Dynamo captured it, with one warning and the reason in its report.
+else "inference". A graph the ATen trace would change (a custom autograd Function) runs as Dynamo
+captured it, with one warning and the reason in its report.
 
 Lowering (`inner`):
   "eager"      the optimized ATen graph as it is, under eager autograd: checkpointed regions, in-place
@@ -227,7 +227,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
         """The graph planned at `args`' sizes, at the first call of their class (inside the user's call)."""
         with _torch_private.outside_tracing_context(), forked_rng():
             return _forward_of(_optimized(graph_module_copy(pristine), args, constant_inputs, gm, mode, options,
-                                          on_report, on_graph, size_class))
+                                          on_report, on_graph, size_class, by_dynamo=False))
 
     first = _optimized(aten, example_inputs, constant_inputs, gm, mode, options, on_report, on_graph,
                        describe_class(dims, SizeClassPlans.key_of(dims, example_inputs)))
@@ -235,9 +235,9 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
 
 
 def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str], gm: fx.GraphModule,
-               mode: str, options: BackendOptions, on_report, on_graph, size_class: str = ""):
+               mode: str, options: BackendOptions, on_report, on_graph, size_class: str = "", by_dynamo: bool = True):
     """`aten` (Dynamo's graph `gm` traced) through the pipeline of `mode`, planned at `example_inputs`' sizes,
-    reported and lowered."""
+    reported and lowered; `by_dynamo`: in a compile of Dynamo's (not a size class planned later, inside a call)."""
     training = mode == TRAINING
     statistics = _batch_norm_statistics(aten)  # before the passes fold them away
     pass_options = options.pass_options(mode)
@@ -253,8 +253,8 @@ def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: froz
         report = run_pipeline(captured, pipeline, ctx, instruments=options.instruments, verifier=verifier)
     report.dynamic_sizes = _symbolic_inputs(gm)
     report.size_class = size_class
-    if not size_class:
-        _note_dynamo_facts(report)  # a size class planned later is fxopt's, not a compile of Dynamo's
+    if by_dynamo:
+        _note_dynamo_facts(report)
     compiled = _lowered(aten, example_inputs, constant_inputs, statistics, training, options, report)
     _deliver(report, options.report, on_report)
     graph = compiled if isinstance(compiled, fx.GraphModule) else getattr(compiled, "eager_graph", None)
