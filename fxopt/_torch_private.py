@@ -577,35 +577,44 @@ def compile_on_its_own(module: torch.nn.Module, backend, dynamic: bool | None = 
     return torch.compile(module, backend=backend, dynamic=dynamic)
 
 
-def compile_with_settings(module: torch.nn.Module, backend, after_compile: Callable[[], object]):
+def compile_with_settings(module: torch.nn.Module, backend, on_recompile_limit: Callable[[], object]):
     """`compile_on_its_own(module, backend)` whose FXOPT_DYNAMO_SETTINGS apply while Dynamo compiles a frame of it (or
-    decides not to), then `after_compile()` runs: Dynamo's frame callback, which it calls only where no compiled code's
-    guards hold, wrapped as its own wrappers are (`_torchdynamo_orig_backend`). Returns (compiled, True); or
-    (compiled, False) where this torch's OptimizedModule is not laid out so, and the caller applies the settings
-    around each call."""
+    decides not to), calling `on_recompile_limit()` when Dynamo ran a frame as written there because a recompile limit
+    was reached: Dynamo's frame callback, which it calls only where no compiled code's guards hold, wrapped as its
+    own wrappers are (`_torchdynamo_orig_backend`). Returns (compiled, True); or (compiled, False) where this torch's
+    OptimizedModule is not laid out so, and the caller applies the settings around each call (`settings_applied`)."""
     compiled = compile_on_its_own(module, backend)
     context = getattr(compiled, "dynamo_ctx", None)
     if not (callable(getattr(context, "callback", None)) and hasattr(compiled, "_initialize")):
         return compiled, False
-    context.callback = _CompilingWithSettings(context.callback, after_compile)
+    context.callback = _CompilingWithSettings(context.callback, on_recompile_limit)
     compiled._initialize()  # wraps the module's call again, with the new callback
     return compiled, True
 
 
 class _CompilingWithSettings:
-    """Dynamo's frame callback under FXOPT_DYNAMO_SETTINGS, calling `after_compile` when it returns."""
+    """Dynamo's frame callback under FXOPT_DYNAMO_SETTINGS (see `compile_with_settings`)."""
 
-    def __init__(self, callback, after_compile: Callable[[], object]):
+    def __init__(self, callback, on_recompile_limit: Callable[[], object]):
         self._torchdynamo_orig_backend = callback  # how Dynamo finds the backend inside its callback wrappers
-        self.callback, self.after_compile = callback, after_compile
+        self.callback, self.on_recompile_limit = callback, on_recompile_limit
 
     def __call__(self, *args, **kwargs):
-        entered = enter_fxopt_dynamo_settings()
-        try:
+        with settings_applied(self.on_recompile_limit):
             return self.callback(*args, **kwargs)
-        finally:
-            leave_fxopt_dynamo_settings(entered)
-            self.after_compile()
+
+
+@contextlib.contextmanager
+def settings_applied(on_recompile_limit: Callable[[], object]):
+    """FXOPT_DYNAMO_SETTINGS inside; `on_recompile_limit()` after, if Dynamo reached a recompile limit inside."""
+    hits = recompile_limit_hits()[0]
+    entered = enter_fxopt_dynamo_settings()
+    try:
+        yield
+    finally:
+        leave_fxopt_dynamo_settings(entered)
+        if recompile_limit_hits()[0] != hits:
+            on_recompile_limit()
 
 
 # TorchDynamo settings for the calls of an fxopt.optimize result, where torch's defaults would let the compiled

@@ -168,9 +168,9 @@ def test_inference_result_is_independent_of_the_callers_model():
 def test_optimizing_a_checkpointed_training_result_again_steps_like_eager():
     """A training result holding checkpointed regions, optimized again, still checkpoints and matches eager over 2 steps."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU()) for _ in range(4)])
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.GELU()) for _ in range(4)])
     model = model.double().train()
-    inputs = (torch.randn(8, 16, dtype=torch.float64),)
+    inputs = (torch.randn(64, 64, dtype=torch.float64),)  # large enough that regions meet the budget
     reference = copy.deepcopy(model)
     once = fxopt.optimize(model, inputs, mode="training", memory_budget=0.5)
     assert once.fxopt_report["checkpoint_activations"].changed

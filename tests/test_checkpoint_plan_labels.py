@@ -47,7 +47,7 @@ class _WideHead(torch.nn.Module):
 def test_floor_plan_prices_the_callers_loss_at_the_least_a_loss_holds():
     """Where the caller's loss holds the lowest reachable peak under the budget's cautious guess, the floor plan is
     the lowest-peak plan with the loss holding only the outputs' gradients: its own backward peaks lower than that of
-    the cheapest plan at the guessed floor (one region over everything), and under the guess it stays within 2% of
+    the cheapest plan at the guessed floor (one region over everything), and under the guess it stays within 5% of
     the floor."""
     torch.manual_seed(0)
     profile = step_profile(exported_graph(_WideHead().train(), (torch.randn(4, 16, 32),)), caller_loss=True)
@@ -58,4 +58,4 @@ def test_floor_plan_prices_the_callers_loss_at_the_least_a_loss_holds():
     cheapest_at_floor = planner.plan_regions(flops, floor, checkpointable)
     light = flops.with_loss_tensors(1)
     assert estimate(light, chosen).peak < estimate(light, cheapest_at_floor).peak
-    assert estimate(flops, chosen).peak <= 1.02 * floor
+    assert estimate(flops, chosen).peak <= 1.05 * floor

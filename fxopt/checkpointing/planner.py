@@ -39,6 +39,7 @@ from .profile import LEAST_LOSS_TENSORS, Estimate, Region, StepProfile, estimate
 MAX_LABELS = 64  # bands of bytes kept per position and held tensors: bounds the search at a small loss of optimality
 # (fewer miss the optimum where selective regions may keep their costly ops only: docs/checkpointing.md)
 MAX_BOUNDARIES = 48  # region starts/stops considered: the search grows with their square, not the depth's
+FLOOR_TOLERANCE = 0.05  # plan_floor: a plan this fraction above the lowest reachable peak still counts as reaching it
 
 
 # A label is a plain tuple (bytes kept, recompute cost, peak so far, regions): the search makes one per label and
@@ -202,12 +203,25 @@ def plan_floor(profile: StepProfile, checkpointable: Sequence[bool],
     recomputed FLOPs. Priced by FLOPs, not by measured times, so every budget below the floor gets the same plan in
     every run (plans of equal estimated peak may differ in measured peak).
 
-    The caller's loss after the forward is priced here at the least a loss holds (LEAST_LOSS_TENSORS: the outputs'
-    gradients), not the budget's cautious guess: with the guess, every plan keeping about as little ties at a peak
-    the loss holds, however high the graph's own backward climbs (one region over the whole model, recomputed
-    while the logits' gradient is alive), and a loss that holds less (a cross-entropy fxopt captured too:
-    inplace_log_softmax_grad) then leaves the step's peak in that backward."""
-    profile = untimed(profile).with_loss_tensors(LEAST_LOSS_TENSORS)
+    Where the caller's loss after the forward holds that floor (the budget's cautious guess, CALLER_LOSS_TENSORS
+    output-sized tensors), every plan keeping about as little ties, however high the graph's own backward climbs (one
+    region over the whole model, recomputed while the logits' gradient is alive); a loss that holds less (a
+    cross-entropy fxopt captured too: inplace_log_softmax_grad) then leaves the step's peak in that backward. So the
+    plan with the lowest peak where the loss holds the least a loss holds (LEAST_LOSS_TENSORS) is taken instead,
+    where it stays within FLOOR_TOLERANCE of the floor under the guess."""
+    profile = untimed(profile)
+    floor_plan = _lowest_then_cheapest(profile, checkpointable, allowed)
+    if not profile.loss_outputs:
+        return floor_plan
+    light = profile.with_loss_tensors(LEAST_LOSS_TENSORS)
+    light_plan = _lowest_then_cheapest(light, checkpointable, allowed)
+    near_floor = estimate(profile, light_plan).peak <= (1 + FLOOR_TOLERANCE) * estimate(profile, floor_plan).peak
+    return light_plan if near_floor else floor_plan
+
+
+def _lowest_then_cheapest(profile: StepProfile, checkpointable: Sequence[bool],
+                          allowed: Callable[[Region], bool]) -> tuple[Region, ...]:
+    """The lowest-peak plan, and among plans reaching its peak the cheapest."""
     lowest_plan = plan_regions(profile, math.inf, checkpointable, objective="peak", allowed=allowed)
     cheapest = plan_regions(profile, estimate(profile, lowest_plan).peak, checkpointable, allowed=allowed)
     return cheapest if cheapest is not None else lowest_plan

@@ -51,9 +51,8 @@ class OptimizedModule(torch.nn.Module):
         d.update(_parameters=original._parameters, _buffers=original._buffers, _modules=original._modules,
                  _non_persistent_buffers_set=original._non_persistent_buffers_set)
         d["_backend"] = backend
-        d["_limit_hits"] = _torch_private.recompile_limit_hits()[0]
         d["_compiled"], d["_settings_at_compile"] = _torch_private.compile_with_settings(
-            original, backend, self._check_recompile_limit)
+            original, backend, self._warn_recompile_limit)
         forward = _forward_with_signature_of(original)
         if forward is not None:  # an instance attribute: what `inspect.signature(result.forward)` reads
             d["forward"] = types.MethodType(forward, self)
@@ -66,24 +65,16 @@ class OptimizedModule(torch.nn.Module):
         try:  # the compiled module's own forward: its Module.__call__ adds only a layer with no hooks of its own
             return self._compiled.forward(*args, **kwargs)
         except _torch_private.backend_compiler_failed() as e:
-            raise _fxopt_error_inside(e) from None
+            _raise_fxopt_error_inside(e)
+            raise
 
     def _forward_with_settings(self, *args, **kwargs):
-        entered = _torch_private.enter_fxopt_dynamo_settings()  # hooks guarded, NumPy's own stream, floats constant
-        try:
-            return self._compiled(*args, **kwargs)
-        except _torch_private.backend_compiler_failed() as e:
-            raise _fxopt_error_inside(e) from None
-        finally:
-            _torch_private.leave_fxopt_dynamo_settings(entered)
-            self._check_recompile_limit()
-
-    def _check_recompile_limit(self) -> None:
-        """After Dynamo compiled (or declined to): warn if it ran a call as written because a limit was reached."""
-        hits = _torch_private.recompile_limit_hits()[0]
-        if hits != self.__dict__["_limit_hits"]:
-            self.__dict__["_limit_hits"] = hits
-            self._warn_recompile_limit()
+        with _torch_private.settings_applied(self._warn_recompile_limit):  # hooks guarded, NumPy's stream, ...
+            try:
+                return self._compiled(*args, **kwargs)
+            except _torch_private.backend_compiler_failed() as e:
+                _raise_fxopt_error_inside(e)
+                raise
 
     def _warn_recompile_limit(self) -> None:
         """Once per result: a call Dynamo would have compiled anew ran as the model's own code (eager's cost)."""
@@ -218,10 +209,11 @@ class OptimizedModule(torch.nn.Module):
         return f"{type(self.original).__name__}, {len(self._backend.reports)} graph(s) compiled"
 
 
-def _fxopt_error_inside(error: Exception) -> Exception:
-    """What failed in fxopt's backend, in fxopt's words (an FxoptError), rather than Dynamo's wrapper of it."""
+def _raise_fxopt_error_inside(error: Exception) -> None:
+    """Raise what failed in fxopt's backend in fxopt's words, the FxoptError inside Dynamo's wrapper of it, if any."""
     inner = getattr(error, "inner_exception", None) or error.__cause__
-    return inner if isinstance(inner, FxoptError) else error
+    if isinstance(inner, FxoptError):
+        raise inner from None
 
 
 _RECLASSED: dict[type, type] = {}
