@@ -219,3 +219,24 @@ def test_unmet_budget_names_a_waiting_tied_gradient():
     waiting = r"the gradient of embed\.weight .*\(tied\).*tied_embedding_grads.*freezing the tied parameter"
     with pytest.warns(UserWarning, match=waiting):
         fxopt.optimize(model, (tokens,), mode="training", memory_budget=0.3, passes=["checkpoint_activations"])
+
+
+class _BatchNormTwice(torch.nn.Module):
+    """One BatchNorm applied before and after a conv: its weight and bias are read twice, its statistics too."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(self.bn(x))).relu()
+
+
+def test_unmet_budget_names_only_waiting_gradients_of_trainable_parameters():
+    """A module read twice has its weight's and bias's gradients waiting for their sums; its running statistics
+    (buffers) get none, and the unmet budget's warning does not name them."""
+    with pytest.warns(UserWarning, match=r"NOT met") as caught:
+        fxopt.optimize(_BatchNormTwice().train(), (torch.randn(2, 4, 8, 8),), mode="training", memory_budget=0.3)
+    (message,) = [str(w.message) for w in caught if "NOT met" in str(w.message)]
+    assert "bn.weight" in message and "bn.bias" in message
+    assert "running_mean" not in message and "running_var" not in message

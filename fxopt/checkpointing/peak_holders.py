@@ -48,8 +48,8 @@ def peak_holders(profile: StepProfile, regions: Sequence[Region] = (), top: int 
 
 
 def _waiting_gradients(profile: StepProfile, at: int) -> tuple[tuple[str, int], ...]:
-    """Parameters (get_attr nodes, or graph inputs capture marked as state) read at `at` or before and after it:
-    their gradient is alive at `at`'s backward."""
+    """Parameters that get a gradient (get_attr nodes, or graph inputs capture marked as state) read at `at` or before
+    and after it: their gradient is alive at `at`'s backward (a buffer or a frozen weight read twice has none)."""
     position = {s.node: p for p, s in enumerate(profile.steps)}
     params = {a for s in profile.steps for a in s.node.all_input_nodes
               if a.op == "get_attr" or (a.op == "placeholder" and a.meta.get("constant_input"))}
@@ -58,7 +58,8 @@ def _waiting_gradients(profile: StepProfile, at: int) -> tuple[tuple[str, int], 
         readers = [position[u] for u in param.users if u in position]
         value = param.meta.get("val")
         name = param.target if param.op == "get_attr" else param.meta.get("state_name", param.name)
-        if len(set(readers)) > 1 and min(readers) <= at < max(readers) and value is not None:
+        if (len(set(readers)) > 1 and min(readers) <= at < max(readers) and value is not None
+                and value.requires_grad):
             waiting.append((name, value.numel() * value.element_size()))
     return tuple(sorted(waiting, key=lambda w: -w[1]))
 
