@@ -605,15 +605,16 @@ class _CompilingWithSettings:
 
 
 @contextlib.contextmanager
-def settings_applied(on_recompile_limit: Callable[[], object]):
-    """FXOPT_DYNAMO_SETTINGS inside; `on_recompile_limit()` after, if Dynamo reached a recompile limit inside."""
+def settings_applied(on_recompile_limit: Callable[[], object] | None = None):
+    """FXOPT_DYNAMO_SETTINGS inside (a capture made so sees the graphs an fxopt.optimize result gets);
+    `on_recompile_limit()` after, if Dynamo reached a recompile limit inside."""
     hits = recompile_limit_hits()[0]
     entered = enter_fxopt_dynamo_settings()
     try:
         yield
     finally:
         leave_fxopt_dynamo_settings(entered)
-        if recompile_limit_hits()[0] != hits:
+        if on_recompile_limit is not None and recompile_limit_hits()[0] != hits:
             on_recompile_limit()
 
 

@@ -116,7 +116,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         return gm
 
     kwargs = dict(kwargs or {})
-    with preserved_state(model, (args, kwargs)):
+    with preserved_state(model, (args, kwargs)), _torch_private.settings_applied():
         _torch_private.compile_on_its_own(model, record, dynamic=False)(*args, **kwargs)
     if not graphs:
         raise FxoptError(f"TorchDynamo captured no graph of {type(model).__name__} (nothing in its forward is torch "

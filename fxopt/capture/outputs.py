@@ -29,7 +29,7 @@ def output_places(model: torch.nn.Module, args: tuple, kwargs: dict) -> OutputPl
             return out
         return run
 
-    with preserved_state(model, (args, kwargs)):
+    with preserved_state(model, (args, kwargs)), _torch_private.settings_applied():  # the graphs the result gets
         out = _torch_private.compile_on_its_own(model, keep_outputs, dynamic=False)(*args, **kwargs)
     if len(returned) != 1:
         return None
