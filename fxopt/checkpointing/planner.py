@@ -210,19 +210,20 @@ def plan_floor(profile: StepProfile, checkpointable: Sequence[bool],
     plan with the lowest peak where the loss holds the least a loss holds (LEAST_LOSS_TENSORS) is taken instead,
     where it stays within FLOOR_TOLERANCE of the floor under the guess."""
     profile = untimed(profile)
-    floor_plan = _lowest_then_cheapest(profile, checkpointable, allowed)
-    if not profile.loss_outputs:
-        return floor_plan
-    light = profile.with_loss_tensors(LEAST_LOSS_TENSORS)
-    light_plan = _lowest_then_cheapest(light, checkpointable, allowed)
-    near_floor = estimate(profile, light_plan).peak <= (1 + FLOOR_TOLERANCE) * estimate(profile, floor_plan).peak
-    return light_plan if near_floor else floor_plan
-
-
-def _lowest_then_cheapest(profile: StepProfile, checkpointable: Sequence[bool],
-                          allowed: Callable[[Region], bool]) -> tuple[Region, ...]:
-    """The lowest-peak plan, and among plans reaching its peak the cheapest."""
     lowest_plan = plan_regions(profile, math.inf, checkpointable, objective="peak", allowed=allowed)
+    floor = estimate(profile, lowest_plan).peak
+    if profile.loss_outputs:
+        light = profile.with_loss_tensors(LEAST_LOSS_TENSORS)
+        light_plan = _cheapest_at(light, plan_regions(light, math.inf, checkpointable, objective="peak",
+                                                      allowed=allowed), checkpointable, allowed)
+        if estimate(profile, light_plan).peak <= (1 + FLOOR_TOLERANCE) * floor:
+            return light_plan
+    return _cheapest_at(profile, lowest_plan, checkpointable, allowed)
+
+
+def _cheapest_at(profile: StepProfile, lowest_plan: tuple[Region, ...], checkpointable: Sequence[bool],
+                 allowed: Callable[[Region], bool]) -> tuple[Region, ...]:
+    """Among plans reaching `lowest_plan`'s peak, the cheapest."""
     cheapest = plan_regions(profile, estimate(profile, lowest_plan).peak, checkpointable, allowed=allowed)
     return cheapest if cheapest is not None else lowest_plan
 
