@@ -102,8 +102,9 @@ def test_second_run_changes_nothing():
 
 def test_default_pipelines_drop_before_inplace_relu():
     """Both default pipelines run the pass before inplace_relu (which then sees the real producers), with
-    at most the layout pass, tied_embedding_grads (which touches only lookups) and checkpoint_activations (which
-    then plans without those steps) between them."""
+    at most the layout pass, tied_embedding_grads and inplace_log_softmax_grad (which touch only lookups and
+    log-softmaxes) and checkpoint_activations (which then plans without those steps) between them."""
     for pipeline in DEFAULT_PIPELINES.values():
         between = pipeline[pipeline.index("drop_eval_dropout") + 1:pipeline.index("inplace_relu")]
-        assert set(between) <= {"channels_last", "tied_embedding_grads", "checkpoint_activations"}
+        assert set(between) <= {"channels_last", "tied_embedding_grads", "inplace_log_softmax_grad",
+                                "checkpoint_activations"}
