@@ -51,3 +51,40 @@ def assert_state_unchanged(model: torch.nn.Module, snapshot: dict[str, torch.Ten
     assert set(now) == set(snapshot)
     for k, v in snapshot.items():
         assert torch.equal(now[k], v), f"{k} was modified"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as integers of its width: equal bits, not merely equal values (-0.0 differs from 0.0)."""
+    return t.detach().contiguous().view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+
+
+def assert_lm_training_bits(reference: torch.nn.Module, optimized: torch.nn.Module, vocab: int, low: int = 0,
+                            lengths: tuple[int, ...] = (12, 19)) -> None:
+    """A Hugging Face model trained as users train it, `model(ids, attention_mask=m, labels=ids)`, one step per length
+    (a padded row each), from the same seeds: every loss and parameter gradient of `optimized` has `reference`'s
+    bits."""
+    for step, length in enumerate(lengths):
+        ids = torch.randint(low, vocab, (2, length), generator=torch.Generator().manual_seed(step))
+        mask = torch.ones_like(ids)
+        mask[0, -3:] = 0
+        grads = []
+        for m in (reference, optimized):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            loss = m(ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+            grads.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+        (expected_loss, expected), (loss, got) = grads
+        assert torch.equal(bits(loss), bits(expected_loss))
+        assert expected.keys() == got.keys()
+        assert all(torch.equal(bits(got[n]), bits(expected[n])) for n in expected)
+
+
+def assert_step_priced_as_measured(optimized: torch.nn.Module, captured: torch.nn.Module, measured: int,
+                                   eager: int) -> None:
+    """checkpoint_activations' memory model prices the rewritten step (`optimized.graph_module`) and the step as
+    captured (`captured.graph_module`, no pass) at the allocator's peaks, `measured` and `eager`, within 2%."""
+    from fxopt.checkpointing.profile import estimate, step_profile
+
+    for result, peak in ((optimized, measured), (captured, eager)):
+        assert abs(estimate(step_profile(result.graph_module, caller_loss=True)).peak - peak) <= 0.02 * peak

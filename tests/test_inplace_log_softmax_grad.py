@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxopt
-from fxopt.checkpointing.profile import estimate, step_profile
+from equivalence import assert_lm_training_bits, assert_step_priced_as_measured, bits
 from fxopt.measure import measure_allocator_peak
 
 CLASSES, WIDTH = 500, 16
@@ -64,9 +64,6 @@ def _sites(optimized):
     return [(s.action, s.reason) for s in optimized.fxopt_report["inplace_log_softmax_grad"].sites]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.int64 if t.dtype == torch.float64 else torch.int32)
-
 
 def _step(model, x, target):
     """Loss, the input's gradient and every parameter gradient of one step (`.grad` reset first)."""
@@ -98,7 +95,7 @@ def test_cross_entropy_step_is_eagers_bit_for_bit(dtype, options, threads):
         expected, got = _step(model, *inputs), _step(optimized, *inputs)
     finally:
         torch.set_num_threads(before)
-    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(expected, got))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(expected, got))
 
 
 def test_log_softmax_then_nll_loss_and_a_one_row_input_are_eagers():
@@ -109,11 +106,11 @@ def test_log_softmax_then_nll_loss_and_a_one_row_input_are_eagers():
     inputs = _inputs()
     optimized = _optimize(copy.deepcopy(model), inputs)
     assert _sites(optimized) == [("in_place", "")]
-    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(_step(model, *inputs), _step(optimized, *inputs)))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(_step(model, *inputs), _step(optimized, *inputs)))
     x, target = torch.randn(WIDTH, requires_grad=True), torch.tensor(5)
     one_row = _optimize(copy.deepcopy(model), (x, target))
     assert _sites(one_row) == [("in_place", "")]
-    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(_step(model, x, target), _step(one_row, x, target)))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(_step(model, x, target), _step(one_row, x, target)))
 
 
 def test_a_new_size_and_accumulating_gradients_stay_eagers():
@@ -125,7 +122,7 @@ def test_a_new_size_and_accumulating_gradients_stay_eagers():
         x, target = _inputs(rows, seed=rows)
         for m in (model, optimized):
             m(x, target).backward()
-    assert all(torch.equal(_bits(p.grad), _bits(q.grad)) for p, q in zip(model.parameters(), optimized.parameters()))
+    assert all(torch.equal(bits(p.grad), bits(q.grad)) for p, q in zip(model.parameters(), optimized.parameters()))
 
 
 def test_double_backward_through_the_rewrite_is_eagers():
@@ -156,10 +153,7 @@ def test_one_logits_sized_tensor_less_measured_and_priced():
     measured = measure_allocator_peak(optimized, inputs, forward=loss(optimized))
     logits = 256 * 20_000 * 4
     assert eager - measured >= 0.95 * logits
-    profile = step_profile(optimized.graph_module, caller_loss=True)
-    assert abs(estimate(profile).peak - measured) <= 0.02 * measured
-    captured = step_profile(_optimize(copy.deepcopy(model), inputs, passes=()).graph_module, caller_loss=True)
-    assert abs(estimate(captured).peak - eager) <= 0.02 * eager
+    assert_step_priced_as_measured(optimized, _optimize(copy.deepcopy(model), inputs, passes=()), measured, eager)
 
 
 def test_log_probabilities_read_elsewhere_are_refused():
@@ -218,20 +212,6 @@ def test_hugging_face_gpt2_trained_with_labels_is_eagers_bit_for_bit(budget):
     model = transformers.GPT2LMHeadModel(config).train()
     reference = copy.deepcopy(model)
     optimized = fxopt.optimize(model, mode="training", **({} if budget is None else {"memory_budget": budget}))
-    for step, length in enumerate((12, 19)):
-        ids = torch.randint(0, 400, (2, length), generator=torch.Generator().manual_seed(step))
-        mask = torch.ones_like(ids)
-        mask[0, -3:] = 0
-        grads = []
-        for m in (reference, optimized):
-            m.zero_grad(set_to_none=True)
-            torch.manual_seed(step)
-            loss = m(ids, attention_mask=mask, labels=ids).loss
-            loss.backward()
-            grads.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-        (expected_loss, expected), (loss, got) = grads
-        assert torch.equal(_bits(loss), _bits(expected_loss))
-        assert expected.keys() == got.keys()
-        assert all(torch.equal(_bits(got[n]), _bits(expected[n])) for n in expected)
+    assert_lm_training_bits(reference, optimized, vocab=400)
     actions = [s.action for r in optimized.fxopt_reports for s in r["inplace_log_softmax_grad"].sites]
     assert "in_place" in actions

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import torch.fx as fx
 
+from ..analysis.grad_needs import GradNeeds, analyze_grad_needs
 from ..capture.naming import module_path
 from ..output_selection import OutputPlaces
 
@@ -98,3 +99,14 @@ class Pass:
 
     def option(self, ctx: PassContext, name: str):
         return ctx.options.get(name, self.options[name][0])
+
+
+def eager_backward_facts(gm: fx.GraphModule, ctx: PassContext,
+                         result: PassResult) -> tuple[list[fx.Node], GradNeeds] | None:
+    """For a pass that changes what eager autograd does in backward: the graph's output values and what needs a
+    gradient; or None, with `result` skipped, where AOTAutograd takes the graph next (it plans that backward)."""
+    if ctx.aot_autograd_next:
+        result.skipped = "AOTAutograd takes the graph next and plans its backward itself"
+        return None
+    outputs = next(iter(gm.graph.find_nodes(op="output"))).all_input_nodes
+    return outputs, analyze_grad_needs(gm, outputs, ctx.constant_inputs)

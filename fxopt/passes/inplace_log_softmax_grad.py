@@ -38,11 +38,10 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from ..analysis.grad_needs import analyze_grad_needs
 from ..analysis.shapes import tensor_meta
 from ..op_names import call_arguments
 from ._log_softmax_grad import log_softmax_grad_in_place
-from .base import TRAINING, Pass, PassContext, PassResult, site_name
+from .base import TRAINING, Pass, PassContext, PassResult, eager_backward_facts, site_name
 
 _aten = torch.ops.aten
 _CROSS_ENTROPY = _aten.cross_entropy_loss.default
@@ -58,11 +57,10 @@ class InplaceLogSoftmaxGrad(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
-        if ctx.aot_autograd_next:
-            result.skipped = "AOTAutograd takes the graph next and plans its backward itself"
+        facts = eager_backward_facts(gm, ctx, result)
+        if facts is None:
             return result
-        outputs = next(iter(gm.graph.find_nodes(op="output"))).all_input_nodes
-        needs = analyze_grad_needs(gm, outputs, ctx.constant_inputs)
+        outputs, needs = facts
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target not in (_CROSS_ENTROPY, *_LOG_SOFTMAX):
                 continue

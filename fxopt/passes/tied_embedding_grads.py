@@ -36,12 +36,12 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from ..analysis.grad_needs import GradNeeds, analyze_grad_needs
+from ..analysis.grad_needs import GradNeeds
 from ..analysis.ops import state_input
 from ..analysis.side_effects import MUTATION, OPAQUE, effects
 from ..op_names import call_arguments
 from ._row_grads import embedding_row_grads
-from .base import TRAINING, Pass, PassContext, PassResult, site_name
+from .base import TRAINING, Pass, PassContext, PassResult, eager_backward_facts, site_name
 
 _EMBEDDING = torch.ops.aten.embedding.default
 
@@ -53,11 +53,10 @@ class TiedEmbeddingGrads(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult()
-        if ctx.aot_autograd_next:
-            result.skipped = "AOTAutograd takes the graph next and plans its backward itself"
+        facts = eager_backward_facts(gm, ctx, result)
+        if facts is None:
             return result
-        outputs = next(iter(gm.graph.find_nodes(op="output"))).all_input_nodes
-        needs = analyze_grad_needs(gm, outputs, ctx.constant_inputs)
+        outputs, needs = facts
         outputs = frozenset(outputs)
         for weight in gm.graph.nodes:
             state = state_input(weight, gm) if weight.op in ("get_attr", "placeholder") else None
