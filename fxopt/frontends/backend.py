@@ -73,7 +73,7 @@ from ..pipeline.report import Report
 from ..pipeline.run import from_dynamo_graph, run_pipeline
 from ..pipeline.verify import Verifier
 from ..user_code import warn_at_users_line
-from .size_classes import SizeClassPlans, describe_class, symbolic_dims
+from .size_classes import SizeClassPlans, describe_class, symbolic_dims, symbolic_inputs
 
 INNER_COMPILERS = ("eager", "inductor", "aot_eager")
 
@@ -251,7 +251,7 @@ def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: froz
         ctx = PassContext(mode, pass_options, constant_inputs, aot_autograd_next=options.inner != "eager",
                           output_places=options.output_places)
         report = run_pipeline(captured, pipeline, ctx, instruments=options.instruments, verifier=verifier)
-    report.dynamic_sizes = _symbolic_inputs(gm)
+    report.dynamic_sizes = symbolic_inputs(gm)
     report.size_class = size_class
     if by_dynamo:
         _note_dynamo_facts(report)
@@ -293,7 +293,7 @@ def _differentiated_positions(aten: fx.GraphModule, options: BackendOptions) -> 
 def _unoptimized(gm: fx.GraphModule, example_inputs: list, report: Report, options: BackendOptions, on_report):
     """Dynamo's graph as it is, lowered as asked, with a report and one warning saying why fxopt left it alone."""
     warnings.warn(f"fxopt: a graph of this model runs unoptimized: {report.not_optimized}", stacklevel=2)
-    report.dynamic_sizes = _symbolic_inputs(gm)
+    report.dynamic_sizes = symbolic_inputs(gm)
     _note_dynamo_facts(report)
     _deliver(report, options.report, on_report)
     if options.inner == "eager":
@@ -301,17 +301,6 @@ def _unoptimized(gm: fx.GraphModule, example_inputs: list, report: Report, optio
     if options.inner == "aot_eager":
         return _torch_private.aot_eager_compile(gm, example_inputs)
     return _torch_private.inductor_compile(gm, example_inputs)
-
-
-def _symbolic_inputs(gm: fx.GraphModule) -> list[str]:
-    """The placeholders of a Dynamo graph whose sizes are symbolic, as `name: [s0, 3]`."""
-    described = []
-    for node in gm.graph.nodes:
-        value = node.meta.get("example_value")
-        if node.op == "placeholder" and isinstance(value, torch.Tensor) and any(
-                not isinstance(size, int) for size in value.shape):
-            described.append(f"{node.name}: {list(value.shape)}")
-    return described
 
 
 _graph_breaks_seen = [0]  # Dynamo's graph-break records already given to a report

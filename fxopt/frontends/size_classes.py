@@ -18,12 +18,23 @@ import torch
 import torch.fx as fx
 
 
+def _tensor_placeholders(gm: fx.GraphModule):
+    """(input position, placeholder, its example value) of each of a Dynamo graph's tensor inputs."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [(position, node, value) for position, node in enumerate(placeholders)
+            if isinstance(value := node.meta.get("example_value"), torch.Tensor)]
+
+
 def symbolic_dims(gm: fx.GraphModule) -> list[tuple[int, int, str]]:
     """(input position, dimension, placeholder name) of every symbolic size among a Dynamo graph's tensor inputs."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return [(position, dim, node.name) for position, node in enumerate(placeholders)
-            if isinstance(value := node.meta.get("example_value"), torch.Tensor)
+    return [(position, dim, node.name) for position, node, value in _tensor_placeholders(gm)
             for dim, size in enumerate(value.shape) if not isinstance(size, int)]
+
+
+def symbolic_inputs(gm: fx.GraphModule) -> list[str]:
+    """The tensor inputs of a Dynamo graph with a symbolic size, as `name: [s0, 3]` (the report's dynamic sizes)."""
+    return [f"{node.name}: {list(value.shape)}" for _, node, value in _tensor_placeholders(gm)
+            if any(not isinstance(size, int) for size in value.shape)]
 
 
 def size_class(size: int) -> int:

@@ -29,6 +29,7 @@ When it refuses (reason in the report):
   other_dtype               the log-softmax converts its input's dtype, or works in a dtype other than float32 or
                             float64 (reduced precision computes in float: not checked bit for bit)
   not_cpu                   the logits are not on the CPU: checked bit for bit against CPU kernels only
+  not_a_plain_tensor        the logits are a tensor subclass (DTensor), not strided, or of no known value
 It does nothing in inference mode, where the logits need no gradient, or where AOTAutograd takes the graph next
 (torch.compile: it plans its own backward).
 """
@@ -91,7 +92,7 @@ def _class_dim(logits: fx.Node) -> int:
 def _common_refusal(logits: fx.Node, dim: int) -> str:
     value = tensor_meta(logits)
     if value is None or _torch_private.is_tensor_subclass(value) or value.layout != torch.strided:
-        return "other_dtype"
+        return "not_a_plain_tensor"
     if value.dtype not in _CHECKED_DTYPES:
         return "other_dtype"
     if value.device.type != "cpu":
