@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 from ..errors import FxoptError
 
@@ -33,3 +34,18 @@ def parse_budget(value) -> tuple[str, float]:
     if not (0.0 < value <= 1.0) or math.isnan(value):
         raise FxoptError(f"memory_budget {value} is not a fraction in (0, 1]; give bytes with a unit, e.g. '512MB'")
     return "fraction", float(value)
+
+
+class KeptBytes(NamedTuple):
+    """Bytes training graphs keep for backward from the end of their forward: as eager keeps them, and as their
+    plans keep them (fxopt/frontends/step_memory.py: the graphs of a step split by graph breaks)."""
+    eager: int = 0
+    planned: int = 0
+
+
+def graph_limit(kind: str, amount: float, captured_peak: int, held: KeptBytes = KeptBytes()) -> float:
+    """The peak one graph's step may reach under a budget parsed as (`kind`, `amount`), the graph's own step peak as
+    captured being `captured_peak`, while the step's earlier graphs keep `held`: the budget less what they keep,
+    a fraction applying to eager's step there (what they would keep in eager plus this graph's peak)."""
+    step = amount * (held.eager + captured_peak) if kind == "fraction" else amount
+    return step - held.planned

@@ -9,7 +9,8 @@ splits at bucket boundaries), with the model's parameters and buffers as graph i
 traced to ATen ops (fxopt.capture.aten_graph: pre-dispatch, so autograd still sees every op; Dynamo's
 symbolic sizes kept) and goes through the passes `build_pipeline` chooses (fxopt/pipeline/run.py),
 planned at the sizes of the call being compiled (on the eager path a dynamic training graph under
-memory_budget is planned again at the first call of each size class: fxopt/frontends/size_classes.py).
+memory_budget is planned again at the first call of each size class: fxopt/frontends/size_classes.py; and
+the graphs of a step split by graph breaks share the budget: fxopt/frontends/step_memory.py).
 Mode: "training" when autograd will differentiate the graph (grad enabled and an input requires grad),
 else "inference". A graph the ATen trace would change (a custom autograd Function) runs as Dynamo
 captured it, with one warning and the reason in its report.
@@ -60,6 +61,7 @@ import torch.fx as fx
 from .. import _torch_private
 from ..analysis.ops import match_batch_norm
 from ..analysis.written_state import written_state
+from ..checkpointing.budget import KeptBytes
 from ..capture import NotTraceable, aten_graph
 from ..errors import FxoptError
 from ..host_rng import forked_rng
@@ -74,6 +76,7 @@ from ..pipeline.run import from_dynamo_graph, run_pipeline
 from ..pipeline.verify import Verifier
 from ..user_code import warn_at_users_line
 from .size_classes import SizeClassPlans, describe_class, symbolic_dims, symbolic_inputs
+from .step_memory import StepBudget, StepLedger, StepShare
 
 INNER_COMPILERS = ("eager", "inductor", "aot_eager")
 
@@ -136,6 +139,16 @@ class BackendOptions:
             raise FxoptError(f"option 'report' must be a callable or a file path, got {type(self.report).__name__}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Keeping:
+    """What a backend's caller keeps of each graph: its report (`on_report`), the optimized graph the eager path runs
+    with the inputs it was made on (`on_graph`), and the ledger of what the training graphs of the step in flight keep
+    for backward (`ledger`: graphs split by graph breaks share memory_budget, fxopt/frontends/step_memory.py)."""
+    on_report: Callable[[Report], object] | None = None
+    on_graph: Callable[[fx.GraphModule, list], object] | None = None
+    ledger: StepLedger | None = None
+
+
 class FxoptBackend:
     """A torch.compile backend with fixed options; `reports` holds one Report per compiled graph, and
     `graph_modules` what the eager lowering runs for each (the optimized ATen graph)."""
@@ -145,6 +158,7 @@ class FxoptBackend:
         self.reports: list[Report] = []
         self.graph_modules: list[fx.GraphModule] = []
         self.graph_inputs: list[list] = []  # per graph module, the inputs it was compiled on, held weakly
+        self.keeping = Keeping(self.reports.append, self._keep_graph, StepLedger(lambda: self.options.memory_budget))
 
     @classmethod
     def from_options(cls, options: BackendOptions) -> FxoptBackend:
@@ -154,10 +168,7 @@ class FxoptBackend:
         return backend
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
-        compiled = compile_graph(gm, list(example_inputs), self.options, self.reports.append, self._keep_graph)
-        if isinstance(compiled, fx.GraphModule):
-            return _forward_of(compiled)
-        return compiled
+        return _forward_of(compile_graph(gm, list(example_inputs), self.options, self.keeping))
 
     def _keep_graph(self, graph: fx.GraphModule, inputs: list) -> None:
         self.graph_modules.append(graph)
@@ -169,11 +180,15 @@ class FxoptBackend:
         return None if any(v is None for v in values) else values
 
 
-def _forward_of(gm: fx.GraphModule) -> Callable:
-    """Calls `gm.forward` (as Dynamo's eager backend does: a module's __call__ costs µs on every call), looked up at
-    each call, so a graph changed and recompiled after compiling (`result.graph_module`) is what runs."""
+def _forward_of(compiled) -> Callable:
+    """What Dynamo calls for a compiled graph: a GraphModule's `forward` (as Dynamo's eager backend does: a module's
+    __call__ costs µs on every call), looked up at each call, so a graph changed and recompiled after compiling
+    (`result.graph_module`) is what runs; any other compiled callable as it is."""
+    if not isinstance(compiled, fx.GraphModule):
+        return compiled
+
     def forward(*args):
-        return gm.forward(*args)
+        return compiled.forward(*args)
     return forward
 
 
@@ -181,7 +196,7 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None
     """The backend registered as "fxopt": `torch.compile(model, backend="fxopt", options={...})`."""
     if unexpected:
         raise FxoptError(f"backend 'fxopt' takes options={{...}}, not {', '.join(sorted(unexpected))}=")
-    return compile_graph(gm, list(example_inputs), BackendOptions.parse(options))
+    return _forward_of(compile_graph(gm, list(example_inputs), BackendOptions.parse(options), Keeping()))
 
 
 def backend(**options) -> FxoptBackend:
@@ -189,19 +204,14 @@ def backend(**options) -> FxoptBackend:
     return FxoptBackend(**options)
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOptions,
-                  on_report: Callable[[Report], object] | None = None,
-                  on_graph: Callable[[fx.GraphModule, list], object] | None = None):
+def compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOptions, keeping: Keeping):
     """`_compile_graph`, leaving torch's, Python's and NumPy's random streams where they were: a compile inside
-    the user's call (a recompile, a first call) must not shift what the model draws next. `on_report` gets
-    each graph's report, `on_graph` each optimized graph the eager path runs, with the inputs it was made on."""
+    the user's call (a recompile, a first call) must not shift what the model draws next."""
     with forked_rng():
-        return _compile_graph(gm, example_inputs, options, on_report, on_graph)
+        return _compile_graph(gm, example_inputs, options, keeping)
 
 
-def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOptions,
-                   on_report: Callable[[Report], object] | None = None,
-                   on_graph: Callable[[fx.GraphModule, list], object] | None = None):
+def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOptions, keeping: Keeping):
     """Optimize one Dynamo graph with fxopt's pipeline, report, and lower it: run it eagerly, or hand it to
     AOTAutograd (with Inductor, or without code generation).
 
@@ -209,7 +219,9 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
     pass knows. The passes plan at this call's sizes (a dynamic graph's symbolic sizes take their values from
     it); the graph itself stays generic, so it runs at every size. On the eager path a dynamic training graph
     under `memory_budget` is planned again at the first call of each size class (fxopt/frontends/size_classes.py);
-    otherwise one plan serves every size, and the report says which.
+    otherwise one plan serves every size, and the report says which. There, too, a training graph under a budget
+    is planned beside what the step's earlier graphs keep, and may be planned again once for its share of a step
+    split by graph breaks (fxopt/frontends/step_memory.py).
     """
     training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                for x in example_inputs)
@@ -217,28 +229,45 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
     try:
         aten, constant_inputs = aten_graph(gm, example_inputs)
     except NotTraceable as e:  # run as Dynamo captured it: eager's ops, eager's cost, never a wrong result
-        return _unoptimized(gm, example_inputs, Report(mode, not_optimized=str(e)), options, on_report)
-    dims = symbolic_dims(gm) if training and options.memory_budget is not None and options.inner == "eager" else []
-    if not dims:
-        return _optimized(aten, example_inputs, constant_inputs, gm, mode, options, on_report, on_graph)
+        return _unoptimized(gm, example_inputs, Report(mode, not_optimized=str(e)), options, keeping.on_report)
+    if not (training and options.memory_budget is not None and options.inner == "eager"):
+        return _optimized(aten, example_inputs, constant_inputs, gm, mode, options, keeping)[0]
+    dims = symbolic_dims(gm)
     pristine = graph_module_copy(aten)
 
-    def plan(args: list, size_class: str):
-        """The graph planned at `args`' sizes, at the first call of their class (inside the user's call)."""
+    def plan(args: list, size_class: str, step_budget: StepBudget | None):
+        """The graph planned at `args`' sizes (inside the user's call): at the first call of their class, or again
+        for its share of the step's budget."""
         with _torch_private.outside_tracing_context(), forked_rng():
-            return _forward_of(_optimized(graph_module_copy(pristine), args, constant_inputs, gm, mode, options,
-                                          on_report, on_graph, size_class, by_dynamo=False))
+            return _plan_of(*_optimized(graph_module_copy(pristine), args, constant_inputs, gm, mode, options,
+                                        keeping, size_class, step_budget, by_dynamo=False))
 
-    first = _optimized(aten, example_inputs, constant_inputs, gm, mode, options, on_report, on_graph,
+    first = _optimized(aten, example_inputs, constant_inputs, gm, mode, options, keeping,
                        describe_class(dims, SizeClassPlans.key_of(dims, example_inputs)))
-    return SizeClassPlans(dims, example_inputs, _forward_of(first), plan)
+    return SizeClassPlans(dims, example_inputs, _plan_of(*first), plan, keeping.ledger)
+
+
+def _plan_of(compiled, report: Report) -> tuple[Callable, StepShare | None]:
+    """A training graph's plan: its forward, and its part in the step where checkpoint_activations planned it."""
+    figures = next((p.figures for p in report.passes if p.name == "checkpoint_activations"), {})
+    if "saved_bytes_after" not in figures:
+        return _forward_of(compiled), None
+    kept = KeptBytes(figures["saved_bytes_before"], figures["saved_bytes_after"])
+    share = StepShare(kept, figures["peak_estimate_captured"], figures["peak_estimate_after"])
+    return _forward_of(compiled), share
 
 
 def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str], gm: fx.GraphModule,
-               mode: str, options: BackendOptions, on_report, on_graph, size_class: str = "", by_dynamo: bool = True):
+               mode: str, options: BackendOptions, keeping: Keeping, size_class: str = "",
+               step_budget: StepBudget | None = None, by_dynamo: bool = True) -> tuple[object, Report]:
     """`aten` (Dynamo's graph `gm` traced) through the pipeline of `mode`, planned at `example_inputs`' sizes,
-    reported and lowered; `by_dynamo`: in a compile of Dynamo's (not a size class planned later, inside a call)."""
+    reported and lowered; `by_dynamo`: in a compile of Dynamo's (not a plan made later, inside a call). A training
+    graph on the eager path is planned beside what the step's graphs before it keep (`keeping.ledger`), for its
+    share `step_budget` of the step's budget where one was made."""
     training = mode == TRAINING
+    ledger = keeping.ledger if training and options.inner == "eager" else None
+    if step_budget is not None:
+        options = dataclasses.replace(options, memory_budget=step_budget.fraction)
     statistics = _batch_norm_statistics(aten)  # before the passes fold them away
     pass_options = options.pass_options(mode)
     pipeline = build_pipeline(mode, options.passes, pass_options, mode_per_graph=True)
@@ -249,18 +278,20 @@ def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: froz
                             inputs_are_state=True) if options.verify else None
         captured = from_dynamo_graph(aten, concrete, f"dynamo_graph_{next(_graph_numbers)}", constant_inputs)
         ctx = PassContext(mode, pass_options, constant_inputs, aot_autograd_next=options.inner != "eager",
-                          output_places=options.output_places)
+                          output_places=options.output_places,
+                          step_held=ledger.held() if ledger is not None else KeptBytes())
         report = run_pipeline(captured, pipeline, ctx, instruments=options.instruments, verifier=verifier)
     report.dynamic_sizes = symbolic_inputs(gm)
     report.size_class = size_class
+    report.step_budget = step_budget.note if step_budget is not None else ""
     if by_dynamo:
         _note_dynamo_facts(report)
     compiled = _lowered(aten, example_inputs, constant_inputs, statistics, training, options, report)
-    _deliver(report, options.report, on_report)
+    _deliver(report, options.report, keeping.on_report)
     graph = compiled if isinstance(compiled, fx.GraphModule) else getattr(compiled, "eager_graph", None)
-    if graph is not None and on_graph is not None:
-        on_graph(graph, example_inputs)
-    return compiled
+    if graph is not None and keeping.on_graph is not None:
+        keeping.on_graph(graph, example_inputs)
+    return compiled, report
 
 
 def _lowered(aten: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str], statistics,

@@ -24,7 +24,7 @@ from .cli_loading import describe_inputs
 # The documented, stable shape of `fxopt inspect --json` (README "Inspecting a model").
 JSON_KEYS = {
     "top": ("fxopt_version", "model", "mode", "inputs", "graphs", "compile_id", "recompile_reason", "graph_breaks",
-            "dynamic_sizes", "size_class", "not_optimized", "passes", "summary"),
+            "dynamic_sizes", "size_class", "step_budget", "not_optimized", "passes", "summary"),
     "input": ("shape", "dtype"),
     "pass": ("name", "seconds", "nodes_before", "nodes_after", "changed", "stats", "sites", "figures", "skipped",
              "max_abs_diff", "estimated"),

@@ -8,14 +8,19 @@ is put in a class, the powers of two bounding it (17..32, 33..64, ...), and the 
 plans the graph at its own sizes; the calls after it in the class run that plan. A plan made anywhere in
 a class is made at sizes within a factor of two of every call it serves, and a loop over lengths up to
 L plans at most log2(L) times per dynamic dimension. The graph itself is generic (any size runs it), so
-a plan is always correct; the class only decides which plan is priced for the call.
+a plan is always correct; the class only decides which plan is priced for the call. Where graph breaks split a
+step under a size budget, a class may also be planned again once for its share of the step
+(fxopt/frontends/step_memory.py).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.fx as fx
+
+from .step_memory import StepBudget, StepLedger, StepShare
 
 
 def _tensor_placeholders(gm: fx.GraphModule):
@@ -51,15 +56,23 @@ def _lowest(k: int) -> int:
     return 2 ** (k - 1) + 1 if k > 0 else 1
 
 
-class SizeClassPlans:
-    """Calls a plan of the graph priced for the call's size class, planning one (`plan(args)`) at the first call
-    of a class; `first` is the plan made when Dynamo compiled the graph, for `first_args`' class."""
+Plan = tuple[Callable, StepShare | None]  # a plan's forward, and its part in the step (None: none to share)
 
-    def __init__(self, dims: list[tuple[int, int, str]], first_args: list, first: Callable,
-                 plan: Callable[[list, str], Callable]):
+
+class SizeClassPlans:
+    """Calls a plan of the graph priced for the call's size class, planning one (`plan(args, size_class,
+    step_budget)`) at the first call of a class; `first` is the plan made when Dynamo compiled the graph, for
+    `first_args`' class. A graph without symbolic sizes has one class. Each call of a plan with a share of the
+    step's budget is recorded in `ledger`, which may have the class planned again for the step
+    (fxopt/frontends/step_memory.py)."""
+
+    def __init__(self, dims: list[tuple[int, int, str]], first_args: list, first: Plan,
+                 plan: Callable[[list, str, StepBudget | None], Plan], ledger: StepLedger | None):
         self.dims = dims
         self.plan = plan
+        self.ledger = ledger
         self.plans = {self.key_of(dims, first_args): first}
+        self.step_budgets: dict[tuple[int, ...], StepBudget] = {}
 
     @staticmethod
     def key_of(dims: list[tuple[int, int, str]], args) -> tuple[int, ...]:
@@ -67,8 +80,19 @@ class SizeClassPlans:
         return tuple(size_class(args[position].shape[dim]) for position, dim, _ in dims)
 
     def __call__(self, *args):
-        key = self.key_of(self.dims, args)
-        compiled = self.plans.get(key)
-        if compiled is None:
-            compiled = self.plans[key] = self.plan(list(args), describe_class(self.dims, key))
-        return compiled(*args)
+        key = self.key_of(self.dims, args) if self.dims else ()
+        planned = self.plans.get(key)
+        if planned is None:
+            planned = self.plans[key] = self.plan(list(args), describe_class(self.dims, key),
+                                                  self.step_budgets.get(key))
+        forward, share = planned
+        outputs = forward(*args)
+        if share is not None and self.ledger is not None:
+            self.ledger.record(outputs, share, functools.partial(self.replan, key))
+        return outputs
+
+    def replan(self, key: tuple[int, ...], step_budget: StepBudget) -> None:
+        """Plan class `key` again at its next call, for `step_budget`: once per class."""
+        if key not in self.step_budgets:
+            self.step_budgets[key] = step_budget
+            self.plans.pop(key, None)

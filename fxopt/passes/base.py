@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from ..analysis.grad_needs import GradNeeds, analyze_grad_needs
 from ..capture.naming import module_path
+from ..checkpointing.budget import KeptBytes
 from ..output_selection import OutputPlaces
 
 INFERENCE = "inference"
@@ -82,6 +83,7 @@ class PassContext:
     graph_path: str | None = None  # the graph's name in the report; "": a graph returning the whole model's outputs
     captured: fx.GraphModule | None = None  # that graph as captured, before any pass (passes that read it)
     output_places: OutputPlaces | None = None  # where the model's outputs are among a Dynamo graph's outputs
+    step_held: KeptBytes = KeptBytes()  # kept for backward by the graphs before this one in its step (graph breaks)
 
 
 class Pass:

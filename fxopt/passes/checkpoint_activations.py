@@ -16,7 +16,9 @@ matmul: StepProfile.kept_steps)::
 How it chooses (fxopt.checkpointing.planner): `memory_budget` bounds the estimated peak of the whole step, forward *and*
 backward (a fraction of the step's peak as captured, before fxopt's passes, or bytes), the caller's loss included: its
 backward runs beside everything the graph keeps, and is taken to hold four tensors the size of the outputs
-(fxopt.checkpointing.profile), as a mean of squares does. The estimate (fxopt.checkpointing.profile) walks the plan:
+(fxopt.checkpointing.profile), as a mean of squares does. Where graph breaks split the step, what the graphs before
+this one keep for backward counts too (`PassContext.step_held`, fxopt/frontends/step_memory.py): the graph gets the
+budget less that, a fraction being of eager's step there (checkpointing.budget.graph_limit). The estimate (fxopt.checkpointing.profile) walks the plan:
 what stays saved, when each saved tensor is freed in backward, the gradients in flight, and the moment a region is
 recomputed next to everything still kept -- where the peak of a checkpointed step usually lands, and what a plan that
 only counts bytes saved at the end of forward misses. Recomputation is priced in time, for the steps a region's
@@ -64,7 +66,7 @@ import torch.fx as fx
 
 from ..analysis.saved_tensors import RUNTIME_KERNEL_OPS, measurement
 from ..analysis.shapes import remember_shape_sources
-from ..checkpointing.budget import parse_budget
+from ..checkpointing.budget import graph_limit, parse_budget
 from ..checkpointing.calibration import calibrated_overhead, calibration_span
 from ..checkpointing.eager_region import CheckpointedRegion, extract_region
 from ..checkpointing.eligibility import refusal
@@ -209,7 +211,8 @@ class CheckpointActivations(Pass):
                 result.record("refused", step.node, reason, "kept out of every checkpointed region")
         before = estimate(profile)
         reference = _captured_peak(ctx, before.peak)
-        limit = amount * reference if kind == "fraction" else amount
+        held = ctx.step_held  # what the step's graphs before this one keep (graph breaks): the budget's, too
+        limit = graph_limit(kind, amount, reference, held)
         writes, conflicts = KeptWrites(gm, profile), {}
 
         def may_make(region: Region) -> bool:
@@ -241,12 +244,16 @@ class CheckpointActivations(Pass):
             lowest, why = floor.peak, _why_unreachable(result, floor)
             holders = _peak_text(profile, regions, refused=any(k.startswith("refused_") for k in result.stats))
             why = f"{why}; {holders}" if holders else why
+            # figures of the step: what the graphs before this one keep, and eager's step there
+            step_lowest, step_reference = held.planned + lowest, held.eager + reference
+            before_text = f" with {held.planned / 1e6:.2f} MB kept by the graphs before it" if held.planned else ""
             result.record("refused", "<graph>", "budget_unreachable",
-                          f"no plan fits {limit / 1e6:.2f} MB; lowest reachable {lowest / reference:.2f}x "
-                          f"({lowest / 1e6:.2f} MB): {why}")
-            result.figures["headline"] = (f"memory_budget {value!r} ({limit / 1e6:.2f} MB) NOT met: lowest "
-                                          f"reachable {lowest / reference:.2f}x of the step peak "
-                                          f"({lowest / 1e6:.2f} MB); {why}: {_what_next(kind, lowest, reference)}")
+                          f"no plan fits {limit / 1e6:.2f} MB{before_text}; lowest reachable "
+                          f"{step_lowest / step_reference:.2f}x ({lowest / 1e6:.2f} MB): {why}")
+            result.figures["headline"] = (f"memory_budget {value!r} ({limit / 1e6:.2f} MB{before_text}) NOT met: "
+                                          f"lowest reachable {step_lowest / step_reference:.2f}x of the step peak "
+                                          f"({lowest / 1e6:.2f} MB); {why}: "
+                                          f"{_what_next(kind, step_lowest, step_reference)}")
             warn_at_users_line(f"fxopt: {result.figures['headline']}")
         useful = tuple(r for r in regions if _frees(profile, r) > 0)  # a region that frees nothing only costs,
         if estimate(profile, useful).peak <= estimate(profile, regions).peak:  # unless it lowers the peak
@@ -285,4 +292,5 @@ class CheckpointActivations(Pass):
             recomputed_flops=after.recompute_flops,
             predicted_recompute_s=plan.recompute_cost / 1e9 if profile.timed else None,
             saved_bytes_before=before.saved_bytes, saved_bytes_after=after.saved_bytes,
+            held_by_earlier_graphs=held.planned,
             peak_estimate_captured=reference, peak_estimate_before=before.peak, peak_estimate_after=after.peak)

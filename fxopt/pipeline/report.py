@@ -54,6 +54,7 @@ class Report:
     dynamic_sizes: list[str] = dataclasses.field(default_factory=list)  # inputs with symbolic sizes (passes planned at
     # the sizes of the call that compiled the graph; what they decided holds at every size)
     size_class: str = ""  # a plan per size class (a dynamic training graph under memory_budget): the sizes it serves
+    step_budget: str = ""  # a plan made again for its share of a step split by graph breaks (frontends/step_memory.py)
     compile_id: str | None = None  # Dynamo's: "frame/attempt"
     recompile_reason: str | None = None  # the guard that failed, for a graph compiled again
     graph_breaks: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (Dynamo's reason, file:line)
@@ -72,6 +73,7 @@ class Report:
             "passes": [p.to_dict() for p in self.passes],
             "dynamic_sizes": list(self.dynamic_sizes),
             "size_class": self.size_class,
+            "step_budget": self.step_budget,
             "compile_id": self.compile_id,
             "recompile_reason": self.recompile_reason,
             "graph_breaks": [list(b) for b in self.graph_breaks],
@@ -119,6 +121,8 @@ class Report:
         elif self.dynamic_sizes:
             lines += ["", "Dynamic sizes (planned at the sizes of the call that compiled the graph; one plan serves "
                       "every size): " + "; ".join(self.dynamic_sizes)]
+        if self.step_budget:
+            lines += ["", f"This graph was {self.step_budget}"]
         return lines
 
     def __str__(self) -> str:
