@@ -458,3 +458,28 @@ def test_a_call_past_the_recompile_limit_runs_as_eager_with_one_warning():
     torch.testing.assert_close(got, model(x))
     torch.testing.assert_close(again, got)
     assert got.requires_grad and len(fast.fxopt_reports) == 1
+
+
+class _DisabledForDynamo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    @torch._dynamo.disable
+    def forward(self, x):
+        return self.conv(x).relu()
+
+
+def test_a_model_dynamo_captures_nothing_of_runs_as_eager_with_one_warning():
+    """A forward Dynamo never enters (disabled for it) gives fxopt no graph: its calls compute eager's result, and one
+    warning says nothing was optimized and why."""
+    torch.manual_seed(0)
+    model, x = _DisabledForDynamo().eval(), _x()
+    with pytest.warns(UserWarning, match=r"nothing in this call of _DisabledForDynamo was optimized: TorchDynamo "
+                                         r"captured no graph from it"):
+        fast = fxopt.optimize(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fast(x)
+    torch.testing.assert_close(got, model(x))
+    assert fast.fxopt_reports == []

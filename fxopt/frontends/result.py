@@ -63,18 +63,34 @@ class OptimizedModule(torch.nn.Module):
         if not self._settings_at_compile:  # a torch whose frame callback fxopt cannot wrap: settings on every call
             return self._forward_with_settings(*args, **kwargs)
         try:  # the compiled module's own forward: its Module.__call__ adds only a layer with no hooks of its own
-            return self._compiled.forward(*args, **kwargs)
+            outputs = self._compiled.forward(*args, **kwargs)
         except _torch_private.backend_compiler_failed() as e:
             _raise_fxopt_error_inside(e)
             raise
+        if not self._backend.reports:
+            self._warn_nothing_captured()
+        return outputs
 
     def _forward_with_settings(self, *args, **kwargs):
         with _torch_private.settings_applied(self._warn_recompile_limit):  # hooks guarded, NumPy's stream, ...
             try:
-                return self._compiled(*args, **kwargs)
+                outputs = self._compiled(*args, **kwargs)
             except _torch_private.backend_compiler_failed() as e:
                 _raise_fxopt_error_inside(e)
                 raise
+        if not self._backend.reports:
+            self._warn_nothing_captured()
+        return outputs
+
+    def _warn_nothing_captured(self) -> None:
+        """Once per result: Dynamo has handed fxopt no graph yet, so the calls so far ran as the model's own code."""
+        if self.__dict__.get("_warned_nothing_captured"):
+            return
+        self.__dict__["_warned_nothing_captured"] = True
+        warn_at_users_line(f"fxopt: nothing in this call of {type(self.original).__name__} was optimized: TorchDynamo "
+                           f"captured no graph from it, so it ran as eager runs it (its forward, or all the code it "
+                           f"calls, is disabled for or skipped by Dynamo, breaks the graph before any tensor op, or "
+                           f"computes nothing); TORCH_LOGS=graph_breaks shows where Dynamo stopped")
 
     def _warn_recompile_limit(self) -> None:
         """Once per result: a call Dynamo would have compiled anew ran as the model's own code (eager's cost)."""
