@@ -17,25 +17,18 @@ import argparse
 import copy
 import warnings
 
+import os
+import sys
+
 import torch
-import torch.nn as nn
 from tabulate import tabulate
 
 import fxopt
 from fxopt.measure import measure_allocator_peak
-from user_loop import _batch, _bert, _gpt2
+from user_loop import _batch, _bert, _gpt2, train_side_by_side
 
-
-class BreakBefore(nn.Module):
-    """A layer whose call breaks the graph first."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args, **kwargs):
-        torch._dynamo.graph_break()
-        return self.inner(*args, **kwargs)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "corpus"))
+from corpus_models import BreakBefore  # noqa: E402
 
 
 def _split(name: str):
@@ -60,20 +53,10 @@ def run(name: str, budget_text: str, length: int, batch: int) -> list:
     eager = measure_allocator_peak(reference, (ids,), forward=loss_of(reference))
     budget = f"{eager // 2}B" if budget_text == "half" else float(budget_text)
     fast = fxopt.optimize(model, memory_budget=budget)
-    equal = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for step, other in enumerate((37, 52, 64)):
-            i, m = _batch(other, batch, vocab=vocab, seed=step)
-            y = torch.randint(0, 2, (batch,)) if name == "bert" else i
-            losses = []
-            for variant in (reference, fast):
-                torch.manual_seed(step)
-                loss = variant(i, attention_mask=m, labels=y).loss
-                loss.backward()
-                losses.append(loss.item())
-            model.zero_grad(), reference.zero_grad()
-            equal = equal and losses[0] == losses[1]
+        losses = train_side_by_side(reference, model, fast, [37, 52, 64], batch, vocab, classify=name == "bert")
+        equal = all(a == b for a, b in losses)
         for _ in range(2):
             loss_of(fast)(ids).backward()
         model.zero_grad()

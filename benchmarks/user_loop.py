@@ -100,6 +100,25 @@ def inference(rounds: int) -> None:
     print(f"fxopt compiled {len(graphs)} graph(s); dynamic sizes of the last: {graphs[-1].dynamic_sizes}")
 
 
+def train_side_by_side(reference: nn.Module, model: nn.Module, fast, lengths: list[int], batch: int, vocab: int,
+                       classify: bool) -> list[list[float]]:
+    """One step per length of `reference` (eager) and `fast` (fxopt's result for `model`) from the same seeds, with
+    `labels=` (two classes, or the ids for a language model) and `attention_mask=`: each step's two losses."""
+    losses = []
+    for step, length in enumerate(lengths):
+        ids, mask = _batch(length, batch, vocab=vocab, seed=step)
+        labels = torch.randint(0, 2, (ids.shape[0],)) if classify else ids
+        pair = []
+        for m in (reference, fast):
+            torch.manual_seed(step)
+            loss = m(ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            pair.append(loss.item())
+        model.zero_grad(), reference.zero_grad()
+        losses.append(pair)
+    return losses
+
+
 def training(steps: int, size: str = "small", batch: int = 8, unseen: int = 100, models=("bert", "gpt2")) -> None:
     rows = []
     for name, build, vocab in (("BertForSequenceClassification", lambda: _bert(classify=True, size=size), 30522),
@@ -110,18 +129,8 @@ def training(steps: int, size: str = "small", batch: int = 8, unseen: int = 100,
         model = build().train()
         reference = copy.deepcopy(model)
         fast = fxopt.optimize(model, memory_budget=0.5)
-        losses = []
-        for step in range(steps):
-            ids, mask = _batch(LENGTHS[step % len(LENGTHS)], batch, vocab=vocab, seed=step)
-            labels = torch.randint(0, 2, (ids.shape[0],)) if "Bert" in name else ids
-            pair = []
-            for m in (reference, fast):
-                torch.manual_seed(step)
-                loss = m(ids, attention_mask=mask, labels=labels).loss
-                loss.backward()
-                pair.append(loss.item())
-            model.zero_grad(), reference.zero_grad()
-            losses.append(pair)
+        losses = train_side_by_side(reference, model, fast, [LENGTHS[s % len(LENGTHS)] for s in range(steps)],
+                                    batch, vocab, classify="Bert" in name)
         equal = all(a == b for a, b in losses)
         ids, mask = _batch(unseen, batch, vocab=vocab, seed=99)  # a length neither has seen
         labels = torch.randint(0, 2, (ids.shape[0],)) if "Bert" in name else ids

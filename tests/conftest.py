@@ -26,6 +26,17 @@ def device() -> torch.device:
     return DEVICE
 
 
+@pytest.fixture(name="fresh_dynamo")
+def fresh_dynamo_fixture():
+    """The test starts and ends with Dynamo's caches empty: no sizes known dynamic (Dynamo remembers them per code
+    object, across models), no compiled code reused from another test."""
+    from fxopt import _torch_private
+
+    _torch_private.reset_dynamo()
+    yield
+    _torch_private.reset_dynamo()
+
+
 @pytest.fixture(name="budget_may_be_unmet")
 def budget_may_be_unmet_fixture():
     """fxopt's warning that a memory_budget is not met is expected in this test (tests/expected_warnings.py)."""

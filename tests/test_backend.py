@@ -22,6 +22,7 @@ from fxopt.measure import measure_saved_bytes
 from fxopt.pipeline.verify import max_difference
 
 FAST_INNERS = ("eager", "aot_eager")
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class SeedNet(nn.Module):
@@ -137,13 +138,6 @@ def compiled_step(name: str, backend, train: bool, grad: bool, steps: int = 2):
     for _ in range(steps):
         ref, got = step(original, original, x, grad), step(compiled, candidate, x, grad)
     return ref, got
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    _torch_private.reset_dynamo()
-    yield
-    _torch_private.reset_dynamo()
 
 
 @pytest.mark.parametrize("inner", FAST_INNERS)

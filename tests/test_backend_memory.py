@@ -21,7 +21,7 @@ from fxopt import _torch_private
 from fxopt.measure import measure_allocator_peak, measure_saved_bytes
 from fxopt.pipeline.verify import max_difference
 
-pytestmark = pytest.mark.usefixtures("budget_may_be_unmet")  # budgets tiny models may not reach
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "budget_may_be_unmet")  # budgets tiny models may not reach
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1)
 
@@ -51,13 +51,6 @@ class SmallCNN(nn.Module):
 
     def forward(self, x):
         return self.head(self.body(x).mean((2, 3)))
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    _torch_private.reset_dynamo()
-    yield
-    _torch_private.reset_dynamo()
 
 
 def _step(call, module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:

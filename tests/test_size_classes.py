@@ -16,17 +16,11 @@ import torch
 import torch.nn as nn
 
 import fxopt
-from fxopt import _torch_private
 from fxopt.frontends.size_classes import describe_class, size_class
 from fxopt.measure import measure_allocator_peak
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test starts with no sizes known dynamic: Dynamo remembers them per code object, across models."""
-    _torch_private.reset_dynamo()
-    yield
-    _torch_private.reset_dynamo()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_size_classes_are_the_powers_of_two_bounding_a_size():

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 import fxopt
+from corpus_models import BreakBefore
 from equivalence import assert_same_training_steps
-from fxopt import _torch_private
 from fxopt.checkpointing.budget import KeptBytes, graph_limit
 from fxopt.frontends.step_memory import StepLedger, StepShare
 from fxopt.measure import measure_allocator_peak
@@ -24,11 +24,7 @@ from fxopt.measure import measure_allocator_peak
 SHARE = StepShare(KeptBytes(300, 100), captured_peak=1000, planned_peak=400)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    _torch_private.reset_dynamo()
-    yield
-    _torch_private.reset_dynamo()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _differentiable_output():
@@ -183,18 +179,6 @@ def test_a_step_within_its_size_budget_is_planned_once():
     assert len(fast.fxopt_reports) == 2 and not any(r.step_budget for r in fast.fxopt_reports)
 
 
-class _BreakBefore(nn.Module):
-    """A layer whose call breaks the graph first (as a print or a data-dependent branch in user code would)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args, **kwargs):
-        torch._dynamo.graph_break()
-        return self.inner(*args, **kwargs)
-
-
 @pytest.mark.slow
 def test_hf_bert_split_by_graph_breaks_meets_a_size_budget():
     """BertForSequenceClassification (default config but 4 layers 256 wide) with graph breaks before two layers,
@@ -205,7 +189,7 @@ def test_hf_bert_split_by_graph_breaks_meets_a_size_budget():
     config = transformers.BertConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024)
     model = transformers.BertForSequenceClassification(config).train()
     for i in (1, 3):
-        model.bert.encoder.layer[i] = _BreakBefore(model.bert.encoder.layer[i])
+        model.bert.encoder.layer[i] = BreakBefore(model.bert.encoder.layer[i])
     reference = copy.deepcopy(model)
     ids = torch.randint(0, config.vocab_size, (8, 100), generator=torch.Generator().manual_seed(0))
     mask, labels = torch.ones_like(ids), torch.tensor([0, 1] * 4)

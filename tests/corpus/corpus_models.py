@@ -26,6 +26,19 @@ class LastHiddenState(torch.nn.Module):
         return self.model(x).last_hidden_state
 
 
+class BreakBefore(torch.nn.Module):
+    """A layer whose call breaks the graph first (as a print or a data-dependent branch in user code would): a model
+    with it runs one step as several graphs."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return self.inner(*args, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     name: str
