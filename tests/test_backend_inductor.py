@@ -9,13 +9,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
-from test_backend import (MODELS, assert_frozen_fold_never_stale, assert_same, compiled_step,  # noqa: F401
-                          example, fresh_dynamo, make)
+from test_backend import MODELS, assert_frozen_fold_never_stale, assert_same, compiled_step, example, make
 
 import fxopt
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 @pytest.mark.parametrize("name", MODELS)
