@@ -548,22 +548,34 @@ def backend_compiler_failed() -> type:
     return BackendCompilerFailed
 
 
-def dynamo_compile_facts(graph_breaks_seen: int) -> tuple[str | None, str | None, list[tuple[str, str]], int]:
+def dynamo_compile_facts() -> tuple[str | None, str | None]:
     """What Dynamo knows, inside a backend, of the graph being compiled: its compile id ("0/1": frame 0's
-    second compile), the guard failure that made it recompile (None for a first compile), and the graph
-    breaks recorded since `graph_breaks_seen` (each with the user's file:line); and the new count to pass next."""
-    from torch._dynamo.utils import get_metrics_context, graph_break_reasons
+    second compile) and the guard failure that made it recompile (None for a first compile)."""
+    from torch._dynamo.utils import get_metrics_context
     from torch._guards import CompileContext
 
     compile_id = CompileContext.current_compile_id()
     metrics = getattr(get_metrics_context(), "_metrics", {})
+    return str(compile_id) if compile_id is not None else None, metrics.get("recompile_reason")
+
+
+def graph_break_count() -> int:
+    """How many graph breaks Dynamo has recorded in this process (one list for every model it compiles)."""
+    from torch._dynamo.utils import graph_break_reasons
+
+    return len(graph_break_reasons)
+
+
+def graph_breaks_since(count: int) -> list[tuple[str, str]]:
+    """The graph breaks Dynamo recorded after the first `count`: its reason's first line, and the user's file:line."""
+    from torch._dynamo.utils import graph_break_reasons
+
     breaks = []
-    for reason in graph_break_reasons[graph_breaks_seen:]:
+    for reason in graph_break_reasons[count:]:
         frame = reason.user_stack[-1] if reason.user_stack else None
         where = f"{frame.filename}:{frame.lineno}" if frame is not None else "?"
         breaks.append((reason.reason.splitlines()[0] if reason.reason else "", where))
-    return (str(compile_id) if compile_id is not None else None, metrics.get("recompile_reason"), breaks,
-            len(graph_break_reasons))
+    return breaks
 
 
 def compile_on_its_own(module: torch.nn.Module, backend, dynamic: bool | None = None):
@@ -577,17 +589,19 @@ def compile_on_its_own(module: torch.nn.Module, backend, dynamic: bool | None = 
     return torch.compile(module, backend=backend, dynamic=dynamic)
 
 
-def compile_with_settings(module: torch.nn.Module, backend, on_recompile_limit: Callable[[], object]):
+def compile_with_settings(module: torch.nn.Module, backend, on_recompile_limit: Callable[[], object],
+                          converting: Callable[[], contextlib.AbstractContextManager]):
     """`compile_on_its_own(module, backend)` whose FXOPT_DYNAMO_SETTINGS apply while Dynamo compiles a frame of it (or
-    decides not to), calling `on_recompile_limit()` when Dynamo ran a frame as written there because a recompile limit
-    was reached: Dynamo's frame callback, which it calls only where no compiled code's guards hold, wrapped as its
-    own wrappers are (`_torchdynamo_orig_backend`). Returns (compiled, True); or (compiled, False) where this torch's
-    OptimizedModule is not laid out so, and the caller applies the settings around each call (`settings_applied`)."""
+    decides not to), inside `converting()`, calling `on_recompile_limit()` when Dynamo ran a frame as written there
+    because a recompile limit was reached: Dynamo's frame callback, which it calls only where no compiled code's
+    guards hold, wrapped as its own wrappers are (`_torchdynamo_orig_backend`). Returns (compiled, True); or
+    (compiled, False) where this torch's OptimizedModule is not laid out so, and the caller applies the settings and
+    `converting()` around each call (`settings_applied`)."""
     compiled = compile_on_its_own(module, backend)
     context = getattr(compiled, "dynamo_ctx", None)
     if not (callable(getattr(context, "callback", None)) and hasattr(compiled, "_initialize")):
         return compiled, False
-    context.callback = _CompilingWithSettings(context.callback, on_recompile_limit)
+    context.callback = _CompilingWithSettings(context.callback, on_recompile_limit, converting)
     compiled._initialize()  # wraps the module's call again, with the new callback
     return compiled, True
 
@@ -595,12 +609,13 @@ def compile_with_settings(module: torch.nn.Module, backend, on_recompile_limit: 
 class _CompilingWithSettings:
     """Dynamo's frame callback under FXOPT_DYNAMO_SETTINGS (see `compile_with_settings`)."""
 
-    def __init__(self, callback, on_recompile_limit: Callable[[], object]):
+    def __init__(self, callback, on_recompile_limit: Callable[[], object],
+                 converting: Callable[[], contextlib.AbstractContextManager]):
         self._torchdynamo_orig_backend = callback  # how Dynamo finds the backend inside its callback wrappers
-        self.callback, self.on_recompile_limit = callback, on_recompile_limit
+        self.callback, self.on_recompile_limit, self.converting = callback, on_recompile_limit, converting
 
     def __call__(self, *args, **kwargs):
-        with settings_applied(self.on_recompile_limit):
+        with settings_applied(self.on_recompile_limit), self.converting():
             return self.callback(*args, **kwargs)
 
 

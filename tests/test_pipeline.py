@@ -309,6 +309,37 @@ def test_report_lists_graph_breaks_with_the_users_line():
     assert rest and rest[0].passes[0].stats["folded"] == 1  # the graph after the break is optimized
 
 
+class _BreaksFirst(nn.Module):
+    """A forward that breaks the graph before any op: the frame itself makes no graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = eval_net()
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.net(x)
+
+
+class _DisabledForDynamo(nn.Module):
+    @torch._dynamo.disable
+    def forward(self, x):
+        return x.relu()
+
+
+def test_graph_breaks_are_reported_by_the_model_they_happened_in():
+    """Dynamo keeps one list of graph breaks for the process: breaks made by another model's frames (one Dynamo
+    captures nothing of) stay out of this model's report, and a break in a frame that made no graph is reported with
+    the graph after it."""
+    with pytest.warns(UserWarning, match="nothing in this call"):
+        fxopt.optimize(_DisabledForDynamo().eval(), X)
+    (clean,) = fxopt.optimize(eval_net(), X, passes=["fold_conv_bn"]).fxopt_reports
+    assert clean.graph_breaks == []
+    (after_break,) = fxopt.optimize(_BreaksFirst().eval(), X, passes=["fold_conv_bn"]).fxopt_reports
+    ((reason, where),) = after_break.graph_breaks
+    assert where.startswith(f"{__file__}:") and reason
+
+
 # ----------------------------------------------------------------------------- verify=True
 
 @pytest.mark.parametrize("mode", ["inference", "training"])

@@ -75,6 +75,7 @@ from ..pipeline.report import Report
 from ..pipeline.run import from_dynamo_graph, run_pipeline
 from ..pipeline.verify import Verifier
 from ..user_code import warn_at_users_line
+from .graph_breaks import GraphBreaks
 from .size_classes import SizeClassPlans, describe_class, symbolic_dims, symbolic_inputs
 from .step_memory import StepBudget, StepLedger, StepShare
 
@@ -142,11 +143,13 @@ class BackendOptions:
 @dataclasses.dataclass(frozen=True)
 class Keeping:
     """What a backend's caller keeps of each graph: its report (`on_report`), the optimized graph the eager path runs
-    with the inputs it was made on (`on_graph`), and the ledger of what the training graphs of the step in flight keep
-    for backward (`ledger`: graphs split by graph breaks share memory_budget, fxopt/frontends/step_memory.py)."""
+    with the inputs it was made on (`on_graph`), the ledger of what the training graphs of the step in flight keep
+    for backward (`ledger`: graphs split by graph breaks share memory_budget, fxopt/frontends/step_memory.py), and the
+    model's graph breaks not yet reported (`graph_breaks`, fxopt/frontends/graph_breaks.py)."""
     on_report: Callable[[Report], object] | None = None
     on_graph: Callable[[fx.GraphModule, list], object] | None = None
     ledger: StepLedger | None = None
+    graph_breaks: GraphBreaks = dataclasses.field(default_factory=GraphBreaks)
 
 
 class FxoptBackend:
@@ -229,7 +232,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
     try:
         aten, constant_inputs = aten_graph(gm, example_inputs)
     except NotTraceable as e:  # run as Dynamo captured it: eager's ops, eager's cost, never a wrong result
-        return _unoptimized(gm, example_inputs, Report(mode, not_optimized=str(e)), options, keeping.on_report)
+        return _unoptimized(gm, example_inputs, Report(mode, not_optimized=str(e)), options, keeping)
     if not (training and options.memory_budget is not None and options.inner == "eager"):
         return _optimized(aten, example_inputs, constant_inputs, gm, mode, options, keeping)[0]
     dims = symbolic_dims(gm)
@@ -285,7 +288,7 @@ def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: froz
     report.size_class = size_class
     report.step_budget = step_budget.note if step_budget is not None else ""
     if by_dynamo:
-        _note_dynamo_facts(report)
+        _note_dynamo_facts(report, keeping.graph_breaks)
     compiled = _lowered(aten, example_inputs, constant_inputs, statistics, training, options, report)
     _deliver(report, options.report, keeping.on_report)
     graph = compiled if isinstance(compiled, fx.GraphModule) else getattr(compiled, "eager_graph", None)
@@ -321,12 +324,12 @@ def _differentiated_positions(aten: fx.GraphModule, options: BackendOptions) -> 
     return sorted(p for key in chosen_outputs(entries, selection) for p in entries[key])
 
 
-def _unoptimized(gm: fx.GraphModule, example_inputs: list, report: Report, options: BackendOptions, on_report):
+def _unoptimized(gm: fx.GraphModule, example_inputs: list, report: Report, options: BackendOptions, keeping: Keeping):
     """Dynamo's graph as it is, lowered as asked, with a report and one warning saying why fxopt left it alone."""
     warnings.warn(f"fxopt: a graph of this model runs unoptimized: {report.not_optimized}", stacklevel=2)
     report.dynamic_sizes = symbolic_inputs(gm)
-    _note_dynamo_facts(report)
-    _deliver(report, options.report, on_report)
+    _note_dynamo_facts(report, keeping.graph_breaks)
+    _deliver(report, options.report, keeping.on_report)
     if options.inner == "eager":
         return gm
     if options.inner == "aot_eager":
@@ -334,13 +337,10 @@ def _unoptimized(gm: fx.GraphModule, example_inputs: list, report: Report, optio
     return _torch_private.inductor_compile(gm, example_inputs)
 
 
-_graph_breaks_seen = [0]  # Dynamo's graph-break records already given to a report
-
-
-def _note_dynamo_facts(report: Report) -> None:
-    """Which compile this graph is, why Dynamo compiled again, and the graph breaks since the last graph."""
-    report.compile_id, report.recompile_reason, report.graph_breaks, _graph_breaks_seen[0] = \
-        _torch_private.dynamo_compile_facts(_graph_breaks_seen[0])
+def _note_dynamo_facts(report: Report, graph_breaks: GraphBreaks) -> None:
+    """Which compile this graph is, why Dynamo compiled again, and the model's graph breaks since its last graph."""
+    report.compile_id, report.recompile_reason = _torch_private.dynamo_compile_facts()
+    report.graph_breaks = graph_breaks.take()
 
 
 def _batch_norm_statistics(gm: fx.GraphModule) -> frozenset[str]:

@@ -52,7 +52,7 @@ class OptimizedModule(torch.nn.Module):
                  _non_persistent_buffers_set=original._non_persistent_buffers_set)
         d["_backend"] = backend
         d["_compiled"], d["_settings_at_compile"] = _torch_private.compile_with_settings(
-            original, backend, self._warn_recompile_limit)
+            original, backend, self._warn_recompile_limit, backend.keeping.graph_breaks.converting)
         forward = _forward_with_signature_of(original)
         if forward is not None:  # an instance attribute: what `inspect.signature(result.forward)` reads
             d["forward"] = types.MethodType(forward, self)
@@ -72,7 +72,8 @@ class OptimizedModule(torch.nn.Module):
         return outputs
 
     def _forward_with_settings(self, *args, **kwargs):
-        with _torch_private.settings_applied(self._warn_recompile_limit):  # hooks guarded, NumPy's stream, ...
+        with _torch_private.settings_applied(self._warn_recompile_limit), \
+                self._backend.keeping.graph_breaks.converting():  # hooks guarded, NumPy's stream, ...
             try:
                 outputs = self._compiled(*args, **kwargs)
             except _torch_private.backend_compiler_failed() as e:
