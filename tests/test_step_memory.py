@@ -68,6 +68,18 @@ def test_outputs_without_a_gradient_function_are_not_recorded():
     assert ledger.held() == KeptBytes(0, 0) and leaf._backward_hooks is None
 
 
+def test_a_view_autograd_refuses_to_name_a_node_for_is_not_recorded():
+    """An output viewed under no_grad whose base was then written in place with grad on (reading its grad_fn raises,
+    as in eager) is skipped, not an error in the user's call."""
+    ledger = StepLedger(lambda: "1MB")
+    base = _differentiable_output()
+    with torch.no_grad():
+        view = base[:2]
+    base.mul_(2)
+    ledger.record((view,), SHARE, lambda budget: None)
+    assert ledger.held() == KeptBytes(0, 0)
+
+
 def test_a_step_over_its_size_budget_has_its_plans_shared_again():
     """The step's last graph starting its backward with the plans together over the size budget asks every plan of
     the step to plan again, for the budget as a fraction of eager's step (held plus own peak, the largest)."""

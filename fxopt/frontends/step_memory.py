@@ -46,6 +46,17 @@ class StepBudget(NamedTuple):
     note: str
 
 
+def _gradient_function(value) -> torch.autograd.graph.Node | None:
+    """The autograd node that made `value`; None for a non-tensor, a leaf, a tensor without grad, or a view autograd
+    refuses to name one for (made under no_grad, its base written in place since: reading `grad_fn` raises)."""
+    if not (isinstance(value, torch.Tensor) and value.requires_grad):
+        return None
+    try:
+        return value.grad_fn
+    except RuntimeError:
+        return None
+
+
 class _InFlight:
     """A graph call whose backward has not begun: the key of its record, alive while its autograd graph holds it."""
 
@@ -67,7 +78,7 @@ class StepLedger:
     def record(self, outputs, share: StepShare, replan: Callable[[StepBudget], None]) -> None:
         """A call of a plan with `share` made `outputs` (the graph's flat outputs); `replan(step_budget)` has its plan
         made again."""
-        nodes = {id(t.grad_fn): t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        nodes = {id(node): node for node in map(_gradient_function, outputs) if node is not None}
         if not nodes:  # nothing to differentiate (a leaf output would keep a hook for good: none is taken)
             return
         token = _InFlight()
