@@ -165,6 +165,48 @@ def test_fuzz_seed_trains_like_eager(seed):
     assert outcome.status == "ok", outcome.detail.splitlines()[0]
 
 
+class ReturnsOneTensorTwice(nn.Module):
+    """Output 0 and output 2 are one tensor (written in place after the BatchNorm); Dynamo returns it from the graph
+    once, for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x)).mul_(2)
+        return y, x.relu(), y
+
+
+def test_an_output_shared_with_a_differentiated_one_is_not_detached():
+    """differentiable_outputs=[1, 2] where output 0 is output 2's tensor: the graph output they share keeps its
+    gradient (prune_dead_grads detached it for output 0, and the conv's gradients were lost: fuzz seeds 613928252,
+    613928301, 613928844)."""
+    model = ReturnsOneTensorTwice().double().train()
+    model.bn.eval()  # a frozen BatchNorm in a training model, as the fuzzer made
+    inputs = (torch.randn(2, 3, 5, 5, dtype=torch.float64, requires_grad=True),)
+    optimized = fxopt.optimize(model, inputs, differentiable_outputs=[1, 2])
+    for output in (1, 2):
+        grads = []
+        for m in (model, optimized):
+            m.zero_grad()
+            m(*inputs)[output].sum().backward()
+            grads.append([p.grad.clone() if p.grad is not None else None for p in model.parameters()])
+        for expected, got in zip(*grads):
+            assert (expected is None) == (got is None)
+            if expected is not None:
+                torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("seed", [613_928_252, 613_928_301, 613_928_844, 613_928_789])
+def test_fuzz_seed_of_this_stop_trains_like_eager(seed):
+    """The generated networks that found the shared-output detach above, and a view whose grad_fn autograd refuses to
+    read crashing the step ledger (613928789), train like eager."""
+    (outcome,) = fuzz(base_seed=seed, count=1, workers=1)
+    assert outcome.status == "ok", outcome.detail.splitlines()[0]
+
+
 def test_batch_norm_momentum_changed_after_the_first_call_updates_statistics_as_eager():
     """fuzz seeds 7010/7018: after a momentum change Dynamo passes it as a graph input, and the shape propagation's
     fallback run on real inputs must not update the statistics a second time."""

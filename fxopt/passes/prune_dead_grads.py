@@ -212,9 +212,11 @@ class PruneDeadGrads(Pass):
                         result: PassResult) -> None:
         output = gm.graph.find_nodes(op="output")[0]
         flat = _flat_outputs(gm)
-        detached: dict[fx.Node, fx.Node] = {}
+        differentiated = {i for key in chosen for i in entries[key]}  # a position two outputs share (one tensor
+        detached: dict[fx.Node, fx.Node] = {}                          # returned twice) keeps its gradient
         for key, positions in entries.items():
-            recorded = [i for i in positions if key not in chosen and flat[i] in needs.requires_grad]
+            recorded = [i for i in positions
+                        if key not in chosen and i not in differentiated and flat[i] in needs.requires_grad]
             if not recorded:
                 continue
             with gm.graph.inserting_before(output):
