@@ -252,7 +252,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
 
 def _plan_of(compiled, report: Report) -> tuple[Callable, StepShare | None]:
     """A training graph's plan: its forward, and its part in the step where checkpoint_activations planned it."""
-    figures = next((p.figures for p in report.passes if p.name == "checkpoint_activations"), {})
+    try:
+        figures = report["checkpoint_activations"].figures
+    except KeyError:  # a pipeline without it (`passes=` chosen by the caller)
+        figures = {}
     if "saved_bytes_after" not in figures:
         return _forward_of(compiled), None
     kept = KeptBytes(figures["saved_bytes_before"], figures["saved_bytes_after"])

@@ -61,24 +61,20 @@ class OptimizedModule(torch.nn.Module):
         if _torch_private.is_compiling():  # an outer torch.compile / torch.export traces the model itself
             return self.original(*args, **kwargs)
         if not self._settings_at_compile:  # a torch whose frame callback fxopt cannot wrap: settings on every call
-            return self._forward_with_settings(*args, **kwargs)
-        try:  # the compiled module's own forward: its Module.__call__ adds only a layer with no hooks of its own
-            outputs = self._compiled.forward(*args, **kwargs)
+            with _torch_private.settings_applied(self._warn_recompile_limit), \
+                    self._backend.keeping.graph_breaks.converting():  # hooks guarded, NumPy's stream, ...
+                return self._run(self._compiled, args, kwargs)
+        # the compiled module's own forward: its Module.__call__ adds only a layer with no hooks of its own
+        return self._run(self._compiled.forward, args, kwargs)
+
+    def _run(self, call, args: tuple, kwargs: dict):
+        """`call(*args, **kwargs)`, a failure inside fxopt's backend raised in fxopt's words; warns once while Dynamo
+        has handed fxopt no graph."""
+        try:
+            outputs = call(*args, **kwargs)
         except _torch_private.backend_compiler_failed() as e:
             _raise_fxopt_error_inside(e)
             raise
-        if not self._backend.reports:
-            self._warn_nothing_captured()
-        return outputs
-
-    def _forward_with_settings(self, *args, **kwargs):
-        with _torch_private.settings_applied(self._warn_recompile_limit), \
-                self._backend.keeping.graph_breaks.converting():  # hooks guarded, NumPy's stream, ...
-            try:
-                outputs = self._compiled(*args, **kwargs)
-            except _torch_private.backend_compiler_failed() as e:
-                _raise_fxopt_error_inside(e)
-                raise
         if not self._backend.reports:
             self._warn_nothing_captured()
         return outputs
