@@ -11,6 +11,9 @@ symbolic sizes kept) and goes through the passes `build_pipeline` chooses (fxopt
 planned at the sizes of the call being compiled (on the eager path a dynamic training graph under
 memory_budget is planned again at the first call of each size class: fxopt/frontends/size_classes.py; and
 the graphs of a step split by graph breaks share the budget: fxopt/frontends/step_memory.py).
+An inference graph on the eager path that holds nothing for the default passes (linear layers, GELU, eval
+dropouts, attention on the caller's mask: a Transformer's dynamic graph) runs as Dynamo captured it, untraced,
+and its report says so (fxopt/pipeline/untouched_graphs.py): the trace would cost a recompile a third more.
 Mode: "training" when autograd will differentiate the graph (grad enabled and an input requires grad),
 else "inference". A graph the ATen trace would change (a custom autograd Function) runs as Dynamo
 captured it, with one warning and the reason in its report.
@@ -71,7 +74,8 @@ from ..passes import PASSES
 from ..passes.base import INFERENCE, TRAINING, PassContext
 from ..pipeline.compile_budget import compile_with_memory_budget, parse_budget
 from ..pipeline.pipelines import build_pipeline
-from ..pipeline.report import Report
+from ..pipeline.report import PassReport, Report
+from ..pipeline.untouched_graphs import left_as_captured
 from ..pipeline.run import from_dynamo_graph, run_pipeline
 from ..pipeline.verify import Verifier
 from ..user_code import warn_at_users_line
@@ -229,6 +233,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
     training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                for x in example_inputs)
     mode = TRAINING if training else INFERENCE
+    if _may_run_as_captured(gm, example_inputs, mode, options):
+        return _as_captured(gm, example_inputs, options, keeping)
     try:
         aten, constant_inputs = aten_graph(gm, example_inputs)
     except NotTraceable as e:  # run as Dynamo captured it: eager's ops, eager's cost, never a wrong result
@@ -338,6 +344,28 @@ def _unoptimized(gm: fx.GraphModule, example_inputs: list, report: Report, optio
     if options.inner == "aot_eager":
         return _torch_private.aot_eager_compile(gm, example_inputs)
     return _torch_private.inductor_compile(gm, example_inputs)
+
+
+def _may_run_as_captured(gm: fx.GraphModule, example_inputs: list, mode: str, options: BackendOptions) -> bool:
+    """Whether an inference graph on the eager path may skip the ATen trace: the default pipeline, nothing in the
+    graph for it (pipeline/untouched_graphs.py), and no instrument observing the passes (the command line's
+    `inspect`, which is there to show them)."""
+    return (mode == INFERENCE and options.inner == "eager" and options.passes is None and not options.instruments
+            and left_as_captured(gm, _torch_private.dynamo_parameter_placeholders(gm, example_inputs)))
+
+
+def _as_captured(gm: fx.GraphModule, example_inputs: list, options: BackendOptions, keeping: Keeping):
+    """Dynamo's inference graph as it is, untraced: nothing in it for an inference pass (pipeline/untouched_graphs.py)."""
+    nodes = len(gm.graph.nodes)
+    report = Report(INFERENCE, graphs=[f"dynamo_graph_{next(_graph_numbers)}"], dynamic_sizes=symbolic_inputs(gm))
+    for p in build_pipeline(INFERENCE, options.passes, options.pass_options(INFERENCE), mode_per_graph=True):
+        report.passes.append(PassReport(p.name, nodes_before=nodes, nodes_after=nodes, skipped=(
+            "nothing in Dynamo's graph for the inference passes: it runs as captured, untraced")))
+    _note_dynamo_facts(report, keeping.graph_breaks)
+    _deliver(report, options.report, keeping.on_report)
+    if keeping.on_graph is not None:
+        keeping.on_graph(gm, example_inputs)
+    return gm
 
 
 def _note_dynamo_facts(report: Report, graph_breaks: GraphBreaks) -> None:
