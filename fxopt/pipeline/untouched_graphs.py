@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 UNTOUCHED_FUNCTIONS = frozenset({
     F.linear, torch._C._nn.linear, torch.matmul, torch.bmm, torch.baddbmm, torch.addmm, torch.mm, torch.einsum,
-    F.gelu, torch._C._nn.gelu, F.silu, torch.tanh, torch.sigmoid, torch.exp, torch.log, torch.rsqrt, torch.sqrt,
+    F.gelu, torch._C._nn.gelu, torch.tanh, torch.sigmoid, torch.exp, torch.log, torch.rsqrt, torch.sqrt,
     torch.pow, torch.abs, torch.neg, torch.add, torch.sub, torch.mul, torch.div, torch.clamp, torch.erf,
     F.softmax, torch.softmax, F.log_softmax, torch.log_softmax, F.layer_norm, F.embedding, F.cross_entropy,
     torch.arange, torch.cat, torch.stack, torch.where, torch.min, torch.max, torch.gather, torch.cumsum,
@@ -96,8 +96,13 @@ def _untouched(node: fx.Node, reads_input: dict) -> bool:
     if target in _ATTENTION:
         mask = _argument(node, "attn_mask")
         return mask is None or (isinstance(mask, fx.Node) and reads_input[mask])
-    return isinstance(target, type(operator.add)) and target.__name__.startswith(("sym_", "_sym_")) \
-        and getattr(target, "__module__", "").startswith("torch")
+    return _is_size_arithmetic(target)
+
+
+def _is_size_arithmetic(target) -> bool:
+    """torch's functions on symbolic sizes (`torch.sym_max`, `torch._sym_sqrt`): Python numbers, no tensor op."""
+    return (getattr(target, "__name__", "").startswith(("sym_", "_sym_"))
+            and (getattr(target, "__module__", None) or "").startswith("torch"))
 
 
 def _argument(node: fx.Node, name: str):
