@@ -466,9 +466,10 @@ def _freezable(gm: fx.GraphModule, example_inputs: list, constant_inputs: frozen
             and not written_state(gm) & constant_inputs)
 
 
-def _values(tensors: list) -> torch.Tensor:
-    """The values of `tensors`, flattened into one new tensor (one comparison checks them all)."""
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+def _values(statistics: list) -> torch.Tensor:
+    """The values of BatchNorm statistics (1-D buffers, no autograd history) in one new tensor: one comparison checks
+    them all (cat of the buffers as they are: MobileNetV2's 104 take 0.1 ms, flattened each first 0.23 ms)."""
+    return torch.cat(statistics)
 
 
 def _frozen_state(tensors: list) -> tuple[list[int], list[int]]:
