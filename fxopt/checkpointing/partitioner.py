@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .. import _torch_private
 from ..analysis.ops import draws_random_numbers
 from ..user_code import warn_at_users_line
-from .budget import parse_budget
+from .budget import KeptBytes, graph_limit, parse_budget
 from .candidates import STEP_KEY, Candidate
 from ._partition_memory import partition_peak
 
@@ -51,6 +51,7 @@ class Outcome:
     plan: str  # the candidate taken ("min-cut alone": untagged)
     regions: int
     candidates: int  # partitions tried besides the untagged one
+    held_by_earlier_graphs: int  # what the step's earlier graphs keep, as planned: the budget less it is this graph's
 
 
 def _forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
@@ -67,8 +68,10 @@ class BudgetPartitioner:
     """AOTAutograd's partition function: the min-cut partition, under the cheapest candidate tags whose
     predicted step peak fits the budget."""
 
-    def __init__(self, budget, candidates: list[Candidate], rewrite_joint: Callable[[fx.GraphModule], None]):
+    def __init__(self, budget, candidates: list[Candidate], rewrite_joint: Callable[[fx.GraphModule], None],
+                 held: KeptBytes = KeptBytes()):
         self.budget = budget
+        self.held = held  # what the step's earlier graphs keep while this one runs
         self.rewrite_joint = rewrite_joint
         self.kind, self.amount = parse_budget(budget)
         self.candidates = candidates
@@ -87,7 +90,7 @@ class BudgetPartitioner:
             cost = candidate.plan.recompute_cost if candidate else 0
             tried.append((partition_peak(joint, *modules), cost, candidate, modules))
             if limit is None:
-                limit = self.amount * tried[0][0].step if self.kind == "fraction" else self.amount
+                limit = graph_limit(self.kind, self.amount, tried[0][0].step, self.held)
             if tried[-1][0].step <= limit:
                 break  # the cheapest that fits: first-fit in a fixed order is monotonic in the budget
         self._tag(_forward_nodes(joint), None, user_tags)
@@ -96,7 +99,7 @@ class BudgetPartitioner:
         taken, before, after = chosen[2], tried[0][0], chosen[0]
         self.outcome = Outcome(self.budget, int(limit), before.step, after.step, before.saved, after.saved, met,
                                taken.plan.name if taken else "min-cut alone",
-                               len(taken.plan.regions) if taken else 0, len(tried) - 1)
+                               len(taken.plan.regions) if taken else 0, len(tried) - 1, self.held.planned)
         if not met:
             warn_at_users_line(f"fxopt: memory_budget {self.budget!r} ({limit / 1e6:.2f} MB step peak) NOT met under "
                           f"torch.compile: lowest reachable {after.step / max(before.step, 1):.2f}x "

@@ -81,7 +81,7 @@ from ..pipeline.verify import Verifier
 from ..user_code import warn_at_users_line
 from .graph_breaks import GraphBreaks
 from .size_classes import SizeClassPlans, describe_class, symbolic_dims, symbolic_inputs
-from .step_memory import StepBudget, StepLedger, StepShare
+from .step_memory import RecordedCalls, StepBudget, StepLedger, StepShare
 
 INNER_COMPILERS = ("eager", "inductor", "aot_eager")
 
@@ -226,9 +226,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
     pass knows. The passes plan at this call's sizes (a dynamic graph's symbolic sizes take their values from
     it); the graph itself stays generic, so it runs at every size. On the eager path a dynamic training graph
     under `memory_budget` is planned again at the first call of each size class (fxopt/frontends/size_classes.py);
-    otherwise one plan serves every size, and the report says which. There, too, a training graph under a budget
-    is planned beside what the step's earlier graphs keep, and may be planned again once for its share of a step
-    split by graph breaks (fxopt/frontends/step_memory.py).
+    otherwise one plan serves every size, and the report says which. A training graph under a budget is planned
+    beside what the step's earlier graphs keep, and may be planned again once for its share of a step split by
+    graph breaks (fxopt/frontends/step_memory.py); through AOTAutograd, a dynamic graph is not planned again: its
+    plan, made with Dynamo's symbolic sizes, serves every size, and a plan made at one call's sizes would not.
     """
     training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                for x in example_inputs)
@@ -239,10 +240,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
         aten, constant_inputs = aten_graph(gm, example_inputs)
     except NotTraceable as e:  # run as Dynamo captured it: eager's ops, eager's cost, never a wrong result
         return _unoptimized(gm, example_inputs, Report(mode, not_optimized=str(e)), options, keeping)
-    if not (training and options.memory_budget is not None and options.inner == "eager"):
+    if not (training and options.memory_budget is not None):
         return _optimized(aten, example_inputs, constant_inputs, gm, mode, options, keeping)[0]
     dims = symbolic_dims(gm)
-    pristine = graph_module_copy(aten)
+    if dims and options.inner != "eager":  # AOTAutograd's plan for a dynamic graph serves every size: made once
+        compiled, report = _optimized(aten, example_inputs, constant_inputs, gm, mode, options, keeping)
+        share = _step_share(report)
+        return RecordedCalls(_forward_of(compiled), share, keeping.ledger) if share and keeping.ledger else compiled
+    pristine = graph_module_copy(aten)  # planned again: per size class on the eager path, for the step's share
 
     def plan(args: list, size_class: str, step_budget: StepBudget | None):
         """The graph planned at `args`' sizes (inside the user's call): at the first call of their class, or again
@@ -258,15 +263,26 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
 
 def _plan_of(compiled, report: Report) -> tuple[Callable, StepShare | None]:
     """A training graph's plan: its forward, and its part in the step where checkpoint_activations planned it."""
+    return _forward_of(compiled), _step_share(report)
+
+
+# What a plan keeps for backward and its step peak, before and after planning, as each lowering's checkpoint_activations
+# entry names them: the pass on the eager path, AOTAutograd's partitioner (fxopt.checkpointing.partitioner.Outcome).
+_SHARE_FIGURES = (("saved_bytes_before", "saved_bytes_after", "peak_estimate_captured", "peak_estimate_after"),
+                  ("saved_bytes_before", "saved_bytes_after", "peak_bytes_before", "peak_bytes_after"))
+
+
+def _step_share(report: Report) -> StepShare | None:
+    """A training graph's part in its step, where checkpoint_activations planned it (None: a pipeline without it)."""
     try:
         figures = report["checkpoint_activations"].figures
     except KeyError:  # a pipeline without it (`passes=` chosen by the caller)
-        figures = {}
-    if "saved_bytes_after" not in figures:
-        return _forward_of(compiled), None
-    kept = KeptBytes(figures["saved_bytes_before"], figures["saved_bytes_after"])
-    share = StepShare(kept, figures["peak_estimate_captured"], figures["peak_estimate_after"])
-    return _forward_of(compiled), share
+        return None
+    for names in _SHARE_FIGURES:
+        if all(name in figures for name in names):
+            kept_before, kept_after, captured_peak, planned_peak = (figures[name] for name in names)
+            return StepShare(KeptBytes(kept_before, kept_after), captured_peak, planned_peak)
+    return None
 
 
 def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str], gm: fx.GraphModule,
@@ -277,7 +293,7 @@ def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: froz
     graph on the eager path is planned beside what the step's graphs before it keep (`keeping.ledger`), for its
     share `step_budget` of the step's budget where one was made."""
     training = mode == TRAINING
-    ledger = keeping.ledger if training and options.inner == "eager" else None
+    ledger = keeping.ledger if training else None
     if step_budget is not None:
         options = dataclasses.replace(options, memory_budget=step_budget.fraction)
     statistics = _batch_norm_statistics(aten)  # before the passes fold them away
@@ -298,7 +314,8 @@ def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: froz
     report.step_budget = step_budget.note if step_budget is not None else ""
     if by_dynamo:
         _note_dynamo_facts(report, keeping.graph_breaks)
-    compiled = _lowered(aten, example_inputs, constant_inputs, statistics, training, options, report)
+    compiled = _lowered(aten, example_inputs, constant_inputs, statistics, training, options, report,
+                        ledger.held() if ledger is not None else KeptBytes())
     _deliver(report, options.report, keeping.on_report)
     graph = compiled if isinstance(compiled, fx.GraphModule) else getattr(compiled, "eager_graph", None)
     if graph is not None and keeping.on_graph is not None:
@@ -307,9 +324,10 @@ def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: froz
 
 
 def _lowered(aten: fx.GraphModule, example_inputs: list, constant_inputs: frozenset[str], statistics,
-             training: bool, options: BackendOptions, report: Report):
+             training: bool, options: BackendOptions, report: Report, held: KeptBytes):
     """The optimized graph lowered as `options` ask: frozen for inference where it may be, as it is under eager
-    autograd, or through AOTAutograd (under a memory budget: fxopt's plans tag what its partitioner recomputes)."""
+    autograd, or through AOTAutograd (under a memory budget: fxopt's plans tag what its partitioner recomputes,
+    beside what the step's earlier graphs keep, `held`)."""
     if not training and options.freeze and options.inner != "aot_eager" and _freezable(aten, example_inputs,
                                                                                       constant_inputs):
         frozen = FrozenInference(aten, example_inputs, constant_inputs, statistics, options.inner)
@@ -317,7 +335,7 @@ def _lowered(aten: fx.GraphModule, example_inputs: list, constant_inputs: frozen
     if options.inner == "eager":
         return aten
     if training and options.memory_budget is not None:
-        return compile_with_memory_budget(aten, example_inputs, options.memory_budget, options.inner, report)
+        return compile_with_memory_budget(aten, example_inputs, options.memory_budget, options.inner, report, held)
     if options.inner == "aot_eager":
         return _torch_private.aot_eager_compile(aten, example_inputs)
     return _torch_private.inductor_compile(aten, example_inputs)

@@ -118,3 +118,21 @@ class StepLedger:
                 f"breaks)")
         for _, replan in records:
             replan(StepBudget(fraction, note))
+
+
+class RecordedCalls:
+    """A dynamic graph lowered through AOTAutograd under a budget, its every call recorded in `ledger` with `share`.
+    Its plan is the partitioner's, made once with Dynamo's symbolic sizes: a step over a size budget does not have it
+    made again (at one call's sizes it would serve only those)."""
+
+    def __init__(self, forward: Callable, share: StepShare, ledger: StepLedger):
+        self.forward, self.share, self.ledger = forward, share, ledger
+
+    def __call__(self, *args):
+        outputs = self.forward(*args)
+        self.ledger.record(outputs, self.share, _plan_kept)
+        return outputs
+
+
+def _plan_kept(step_budget: StepBudget) -> None:
+    """A dynamic graph's partition is not made again for the step's share."""

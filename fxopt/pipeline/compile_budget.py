@@ -7,7 +7,8 @@ min-cut partitioner decides what the forward saves; fxopt's planner offers it pl
 (fxopt.checkpointing.candidates) and a partition function takes the cheapest whose predicted step peak fits
 (fxopt.checkpointing.partitioner). The joint graph's rewrites (`JOINT_PASSES`) run here, by the PassManager, so they are
 linted and reported like any pass. Budgets are parsed as in `fxopt.optimize` (fxopt.checkpointing.budget); under
-torch.compile they bound each compiled graph's step peak (a graph break gives each graph the whole byte budget).
+torch.compile they bound the step peak: a graph split from others by graph breaks gets the budget less what the step's
+earlier graphs keep (the backend's ledger, fxopt/frontends/step_memory.py), as on the eager path.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.fx as fx
 
 from .. import _torch_private
 from ..capture import CapturedGraph
-from ..checkpointing.budget import parse_budget
+from ..checkpointing.budget import KeptBytes, parse_budget
 from ..checkpointing.candidates import plan_candidates
 from ..checkpointing.partitioner import BudgetPartitioner
 from ..errors import FxoptError
@@ -42,14 +43,15 @@ class _JointRewrites:
 
 
 def compile_with_memory_budget(gm: fx.GraphModule, example_inputs: list, budget, inner: str,
-                               report: Report | None = None):
-    """Compile a training graph with `inner` ("inductor" or "aot_eager") so its step peak fits `budget`; the outcome
-    goes into `report`'s checkpoint_activations entry."""
+                               report: Report | None = None, held: KeptBytes = KeptBytes()):
+    """Compile a training graph with `inner` ("inductor" or "aot_eager") so its step peak fits `budget` while the step's
+    earlier graphs keep `held` (graphs split by graph breaks share the budget); the outcome goes into `report`'s
+    checkpoint_activations entry."""
     if inner == "inductor" and not _torch_private.has_custom_partitioner():
         raise FxoptError("memory_budget under torch.compile with inner='inductor' needs a torch whose Inductor takes "
                          "a custom partitioner (torch >= 2.8); use inner='aot_eager' or fxopt.optimize")
     rewrites = _JointRewrites()
-    partitioner = BudgetPartitioner(budget, plan_candidates(gm, example_inputs), rewrite_joint=rewrites)
+    partitioner = BudgetPartitioner(budget, plan_candidates(gm, example_inputs), rewrite_joint=rewrites, held=held)
     if inner == "aot_eager":
         compiled = _torch_private.aot_eager_compile(gm, example_inputs, partitioner)
     else:
