@@ -290,8 +290,8 @@ def _optimized(aten: fx.GraphModule, example_inputs: list, constant_inputs: froz
                step_budget: StepBudget | None = None, by_dynamo: bool = True) -> tuple[object, Report]:
     """`aten` (Dynamo's graph `gm` traced) through the pipeline of `mode`, planned at `example_inputs`' sizes,
     reported and lowered; `by_dynamo`: in a compile of Dynamo's (not a plan made later, inside a call). A training
-    graph on the eager path is planned beside what the step's graphs before it keep (`keeping.ledger`), for its
-    share `step_budget` of the step's budget where one was made."""
+    graph is planned (on the eager path) or partitioned (through AOTAutograd) beside what the step's graphs before it
+    keep (`keeping.ledger`), for its share `step_budget` of the step's budget where one was made."""
     training = mode == TRAINING
     ledger = keeping.ledger if training else None
     if step_budget is not None:
