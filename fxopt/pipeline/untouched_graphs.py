@@ -14,8 +14,9 @@ three calls allowed on conditions:
 - `scaled_dot_product_attention` without a mask, or with one read from a graph input that is not a parameter
   (an `attention_mask`, a symbolic length): capture's `drop_constant_masks` only rewrites masks computed
   from constants alone;
-and nothing computed from parameters without a graph input but views of them (what freezing would fold:
-a weight normalized at every call), nor a mask built from constants alone.
+and nothing computed from parameters without a graph input but views of them, lookups of a few rows (a
+position embedding at a static length) and `.to()` calls that change nothing: not what freezing would fold for
+gain (a weight normalized, cast or multiplied at every call), nor a mask built from constants alone.
 Anything else (a convolution, a ReLU, a pad, a BatchNorm, a custom autograd Function, a grad-mode switch, a
 function not listed) sends the graph through the ATen trace and the passes, as before: the list errs toward
 tracing. tests/test_untouched_graphs.py checks, on real models, that the graphs it leaves as captured are
@@ -65,18 +66,30 @@ def left_as_captured(gm: fx.GraphModule, parameters: frozenset[str]) -> bool:
             continue
         reads_input[node] = any(reads_input[i] for i in node.all_input_nodes)
         reads_parameter[node] = any(reads_parameter[i] for i in node.all_input_nodes)
-        if reads_parameter[node] and not reads_input[node] and not _is_view(node):
+        if reads_parameter[node] and not reads_input[node] and not _cheap_on_parameters(node):
             return False
         if not _untouched(node, reads_input):
             return False
     return True
 
 
-def _is_view(node: fx.Node) -> bool:
+def _cheap_on_parameters(node: fx.Node) -> bool:
+    """A view of a parameter, a lookup of a few of its rows (an embedding, a gather), or a `.to()` that returns it
+    as it is: nothing freezing would gain by computing once."""
     if node.op == "call_method":
-        return node.target in _VIEW_METHODS
+        return node.target in _VIEW_METHODS or (node.target == "to" and _returns_its_input(node))
+    if node.target in (F.embedding, torch.gather):
+        return True
     return node.target is operator.getitem and all(isinstance(i, (slice, int, type(None)))
                                                    for i in _as_tuple(node.args[1]))
+
+
+def _returns_its_input(node: fx.Node) -> bool:
+    """Whether a `.to()` keeps its tensor's dtype and device, by Dynamo's example values (so it copies nothing)."""
+    source, result = node.args[0], node.meta.get("example_value")
+    before = source.meta.get("example_value") if isinstance(source, fx.Node) else None
+    return (isinstance(before, torch.Tensor) and isinstance(result, torch.Tensor)
+            and (before.dtype, before.device) == (result.dtype, result.device))
 
 
 def _as_tuple(index) -> tuple:
