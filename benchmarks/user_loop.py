@@ -5,6 +5,7 @@
     python benchmarks/user_loop.py --part training      # BertForSequenceClassification and GPT2LMHeadModel with labels=
     python benchmarks/user_loop.py --part training --size default   # the same at the configs' own sizes
     python benchmarks/user_loop.py --part overhead      # per-call cost where the guards hold, and of an unoptimizable call
+    python benchmarks/user_loop.py --part recompile     # the first call of a new length, each variant in a fresh interpreter
 
 inference: eager, `fxopt.optimize(model, example_kwargs=...)` and `torch.compile(model, backend="eager")` (Dynamo
 alone) take the same batches, round-robin, one call each per round, a length drawn anew per round from a fixed
@@ -16,6 +17,10 @@ training: each model, default config (SDPA attention, `use_cache=True` for GPT-2
 `--size default` the configs' own 12 layers 768 wide), dropout on, trained with
 `labels=` and `attention_mask=` at a length that changes every step, eager and fxopt (`memory_budget=0.5`)
 from the same seeds: losses per step, and the allocator's peak of one step at a length the result never saw.
+
+recompile: the first call at a second length (Dynamo's recompile, which makes the length dynamic) of BERT (4 layers,
+batch 8) after a first compile at 37, timed in a fresh interpreter per variant and pair (fxopt, then Dynamo alone),
+so neither inherits the other's warm caches (in one process the variant that compiles second runs faster).
 
 overhead: a 2-layer MLP at batch 1 (the call is mostly the per-call cost): eager, fxopt and Dynamo alone; and
 a model whose every line breaks the graph (fxopt cannot optimize it): fxopt against eager; and BERT (4 layers,
@@ -220,9 +225,44 @@ def _past_recompile_limit(calls: int) -> list:
              f"{statistics.median(s) / eager:.3f}x"] for name, s in samples.items()]
 
 
+def _recompile_child(variant: str) -> None:
+    """In a fresh interpreter: a first compile at length 37, then the time of the first call at 52, printed."""
+    model = _bert().eval()
+    ids, mask = _batch(LENGTHS[0])
+    with torch.no_grad():
+        if variant == "fxopt":
+            fast = fxopt.optimize(model, (ids,), example_kwargs={"attention_mask": mask})
+        else:
+            fast = torch.compile(model, backend="eager")
+            fast(ids, attention_mask=mask)
+        ids, mask = _batch(LENGTHS[1])
+        seconds, _ = _time(lambda: fast(ids, attention_mask=mask))
+    print(seconds)
+
+
+def recompile(pairs: int) -> None:
+    import subprocess
+    import sys
+
+    times = {"fxopt.optimize": [], "torch.compile(backend='eager')": []}
+    for _ in range(pairs):
+        for name, variant in zip(times, ("fxopt", "dynamo")):
+            done = subprocess.run([sys.executable, __file__, "--recompile-child", variant], capture_output=True,
+                                  text=True, check=True)
+            times[name].append(float(done.stdout.strip().splitlines()[-1]))
+    ratios = [a / b for a, b in zip(*times.values())]
+    rows = [[name, " ".join(f"{t:.2f}" for t in ts), f"{statistics.median(ts):.2f}"] for name, ts in times.items()]
+    print(f"BERT 4 layers, batch 8: first call at length {LENGTHS[1]} after a compile at {LENGTHS[0]}, "
+          f"{pairs} fresh-interpreter pairs")
+    print(tabulate(rows, headers=["variant", "seconds per pair", "median"]))
+    print(f"fxopt / Dynamo per pair: {' '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("inference", "training", "overhead", "all"), default="all")
+    parser.add_argument("--part", choices=("inference", "training", "overhead", "recompile", "all"), default="all")
+    parser.add_argument("--pairs", type=int, default=5, help="recompile: fresh-interpreter pairs")
+    parser.add_argument("--recompile-child", choices=("fxopt", "dynamo"), help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
@@ -233,12 +273,17 @@ def main() -> None:
     parser.add_argument("--models", default="bert,gpt2", help="training: bert, gpt2 or both")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.recompile_child:
+        _recompile_child(args.recompile_child)
+        return
     if args.part in ("inference", "all"):
         inference(args.rounds)
     if args.part in ("training", "all"):
         training(args.steps, args.size, args.batch, args.unseen_length, args.models.split(","))
     if args.part in ("overhead", "all"):
         overhead(2000)
+    if args.part in ("recompile", "all"):
+        recompile(args.pairs)
 
 
 if __name__ == "__main__":
