@@ -2,7 +2,7 @@
 
     python benchmarks/step_budget.py                  # BERT and GPT-2, each split by graph breaks before two layers
     python benchmarks/step_budget.py --models bert --budgets 0.5,half
-    python benchmarks/step_budget.py --lowering aot_eager   # through AOTAutograd: torch.compile(model, backend=fxopt.backend(...))
+    python benchmarks/step_budget.py --lowering aot_eager   # through AOTAutograd (fxopt.backend(inner=...))
 
 Each model (default config, SDPA attention, 4 layers 256 wide) gets a graph break before layers 1 and 3 (as a print or
 a data-dependent branch in user code would), so one step runs several graphs, one of them twice. Per budget (a
@@ -76,7 +76,8 @@ def run(name: str, budget_text: str, length: int, batch: int, lowering: str) -> 
         model.zero_grad()
         peak = measure_allocator_peak(model, (ids,), forward=loss_of(fast))
     shared = any(r.step_budget for r in reports())
-    return [name, budget_text if budget_text != "half" else f"'{budget}' (half)", "equal" if worst == 0 else f"{worst:.1e}",
+    return [name, budget_text if budget_text != "half" else f"'{budget}' (half)",
+            "equal" if worst == 0 else f"{worst:.1e}",
             f"{eager / 2**20:.1f}", f"{peak / 2**20:.1f}", f"{peak / eager:.3f}", len(reports()),
             "yes" if shared else "no"]
 

@@ -5,7 +5,7 @@
     python benchmarks/user_loop.py --part training      # BertForSequenceClassification and GPT2LMHeadModel with labels=
     python benchmarks/user_loop.py --part training --size default   # the same at the configs' own sizes
     python benchmarks/user_loop.py --part overhead      # per-call cost where the guards hold, and of an unoptimizable call
-    python benchmarks/user_loop.py --part recompile     # the first call of a new length, each variant in a fresh interpreter
+    python benchmarks/user_loop.py --part recompile     # a new length's first call, in fresh interpreters
 
 inference: eager, `fxopt.optimize(model, example_kwargs=...)` and `torch.compile(model, backend="eager")` (Dynamo
 alone) take the same batches, round-robin, one call each per round, a length drawn anew per round from a fixed

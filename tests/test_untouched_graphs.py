@@ -1,4 +1,5 @@
-"""Inference graphs with nothing for fxopt's passes run as Dynamo captured them, untraced (pipeline/untouched_graphs.py)."""
+"""Inference graphs with nothing for fxopt's passes run as Dynamo captured them, untraced
+(fxopt/pipeline/untouched_graphs.py)."""
 from __future__ import annotations
 
 import pytest

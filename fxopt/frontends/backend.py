@@ -373,7 +373,8 @@ def _may_run_as_captured(gm: fx.GraphModule, example_inputs: list, mode: str, op
 
 
 def _as_captured(gm: fx.GraphModule, example_inputs: list, options: BackendOptions, keeping: Keeping):
-    """Dynamo's inference graph as it is, untraced: nothing in it for an inference pass (pipeline/untouched_graphs.py)."""
+    """Dynamo's inference graph as it is, untraced: nothing in it for an inference pass
+    (pipeline/untouched_graphs.py)."""
     nodes = len(gm.graph.nodes)
     report = Report(INFERENCE, graphs=[f"dynamo_graph_{next(_graph_numbers)}"], dynamic_sizes=symbolic_inputs(gm))
     for p in build_pipeline(INFERENCE, options.passes, options.pass_options(INFERENCE), mode_per_graph=True):

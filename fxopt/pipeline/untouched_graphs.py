@@ -5,10 +5,10 @@ Tracing a Dynamo graph to ATen ops costs a second pass of torch's fake-tensor ma
 user's call. Where no inference pass has anything to rewrite, that trace buys nothing: the graph runs as
 Dynamo captured it, calling the model's own torch functions, as `torch.compile(backend="eager")` runs it.
 
-Only under the default pipeline (a caller naming passes wants them run and reported; the backend also traces
-wherever instruments observe the passes), a graph is left as captured only when every call in it is one fxopt
-knows no default inference pass rewrites (`UNTOUCHED_FUNCTIONS`, `UNTOUCHED_METHODS`, Python's operators and symbolic-size arithmetic), with
-three calls allowed on conditions:
+Under the default pipeline only (a caller naming passes wants them run and reported; the backend also traces
+wherever instruments observe the passes), a graph is left as captured when every call in it is one fxopt knows no
+default inference pass rewrites (`UNTOUCHED_FUNCTIONS`, `UNTOUCHED_METHODS`, Python's operators and symbolic-size
+arithmetic), with two calls allowed on conditions:
 - a dropout whose `training` flag is the constant False: it returns its input before any work (the ATen
   graph would lose it to drop_eval_dropout, for the same run time);
 - `scaled_dot_product_attention` without a mask, or with one read from a graph input that is not a parameter
@@ -57,7 +57,8 @@ _ATTENTION = frozenset({F.scaled_dot_product_attention, torch._C._nn.scaled_dot_
 def left_as_captured(gm: fx.GraphModule, parameters: frozenset[str]) -> bool:
     """Whether Dynamo's graph `gm` holds nothing the default inference passes or capture would rewrite (module
     docstring), so that it may run as captured. `parameters`: its placeholders holding parameters or buffers."""
-    reads_input, reads_parameter = {}, {}  # node -> whether it is computed from a graph input (not a parameter); from a parameter
+    # node -> whether it is computed from a graph input that is not a parameter; from a parameter
+    reads_input, reads_parameter = {}, {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             reads_input[node], reads_parameter[node] = node.name not in parameters, node.name in parameters
