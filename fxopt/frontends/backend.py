@@ -235,7 +235,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, options: BackendOpt
                                                for x in example_inputs)
     mode = TRAINING if training else INFERENCE
     if _may_run_as_captured(gm, example_inputs, mode, options):
-        return _as_captured(gm, example_inputs, options, keeping)
+        return _untraced(gm, example_inputs, options, keeping)
     try:
         aten, constant_inputs = aten_graph(gm, example_inputs)
     except NotTraceable as e:  # run as Dynamo captured it: eager's ops, eager's cost, never a wrong result
@@ -354,6 +354,11 @@ def _differentiated_positions(aten: fx.GraphModule, options: BackendOptions) -> 
 def _unoptimized(gm: fx.GraphModule, example_inputs: list, report: Report, options: BackendOptions, keeping: Keeping):
     """Dynamo's graph as it is, lowered as asked, with a report and one warning saying why fxopt left it alone."""
     warnings.warn(f"fxopt: a graph of this model runs unoptimized: {report.not_optimized}", stacklevel=2)
+    return _as_captured(gm, example_inputs, report, options, keeping)
+
+
+def _as_captured(gm: fx.GraphModule, example_inputs: list, report: Report, options: BackendOptions, keeping: Keeping):
+    """Dynamo's graph as it is, lowered as asked; `report` completed with what Dynamo did, and delivered."""
     report.dynamic_sizes = symbolic_inputs(gm)
     _note_dynamo_facts(report, keeping.graph_breaks)
     _deliver(report, options.report, keeping.on_report)
@@ -372,19 +377,17 @@ def _may_run_as_captured(gm: fx.GraphModule, example_inputs: list, mode: str, op
             and left_as_captured(gm, _torch_private.dynamo_parameter_placeholders(gm, example_inputs)))
 
 
-def _as_captured(gm: fx.GraphModule, example_inputs: list, options: BackendOptions, keeping: Keeping):
-    """Dynamo's inference graph as it is, untraced: nothing in it for an inference pass
-    (pipeline/untouched_graphs.py)."""
+def _untraced(gm: fx.GraphModule, example_inputs: list, options: BackendOptions, keeping: Keeping):
+    """Dynamo's inference graph as it is, not traced to ATen: nothing in it for an inference pass
+    (pipeline/untouched_graphs.py), as each pass's line in its report says."""
     nodes = len(gm.graph.nodes)
-    report = Report(INFERENCE, graphs=[f"dynamo_graph_{next(_graph_numbers)}"], dynamic_sizes=symbolic_inputs(gm))
+    report = Report(INFERENCE, graphs=[f"dynamo_graph_{next(_graph_numbers)}"])
     for p in build_pipeline(INFERENCE, options.passes, options.pass_options(INFERENCE), mode_per_graph=True):
         report.passes.append(PassReport(p.name, nodes_before=nodes, nodes_after=nodes, skipped=(
             "nothing in Dynamo's graph for the inference passes: it runs as captured, untraced")))
-    _note_dynamo_facts(report, keeping.graph_breaks)
-    _deliver(report, options.report, keeping.on_report)
     if keeping.on_graph is not None:
         keeping.on_graph(gm, example_inputs)
-    return gm
+    return _as_captured(gm, example_inputs, report, options, keeping)
 
 
 def _note_dynamo_facts(report: Report, graph_breaks: GraphBreaks) -> None:

@@ -18,20 +18,21 @@ backward (a fraction of the step's peak as captured, before fxopt's passes, or b
 backward runs beside everything the graph keeps, and is taken to hold four tensors the size of the outputs
 (fxopt.checkpointing.profile), as a mean of squares does. Where graph breaks split the step, what the graphs before
 this one keep for backward counts too (`PassContext.step_held`, fxopt/frontends/step_memory.py): the graph gets the
-budget less that, a fraction being of eager's step there (checkpointing.budget.graph_limit). The estimate (fxopt.checkpointing.profile) walks the plan:
-what stays saved, when each saved tensor is freed in backward, the gradients in flight, and the moment a region is
-recomputed next to everything still kept -- where the peak of a checkpointed step usually lands, and what a plan that
-only counts bytes saved at the end of forward misses. Recomputation is priced in time, for the steps a region's
-recomputation runs (checkpoint stops it once the last saved tensor is saved again, so a region over a transformer layer
-never recomputes its last linear): each node's forward measured on real tensors shaped like the example
-(fxopt.analysis.op_times; FLOPs where the graph cannot run so), plus what a region costs beyond its ops (per op it
-holds: measured once, fxopt.checkpointing._region_overhead; per region: on a block of this graph,
-fxopt.checkpointing.calibration, figure `region_overhead_ms`), so the plan with the lowest predicted step time whose
-predicted peak fits is chosen (figure `predicted_recompute_s`). An exact dynamic program over region boundaries and the
-region kinds returns the cheapest plan under the budget (a √n split would ignore both the prices and where the peak
-lands); if no plan fits, the cheapest plan at the lowest reachable peak -- loudly: a UserWarning (at the caller's line)
-and the report's headline name the budget, that floor ("lowest reachable: 0.45x"), what keeps the step above it and the
-budget it meets. A region that would free nothing (no saved bytes, no lower peak) is never made.
+budget less that, a fraction being of eager's step there (checkpointing.budget.graph_limit). The estimate
+(fxopt.checkpointing.profile) walks the plan: what stays saved, when each saved tensor is freed in backward, the
+gradients in flight, and the moment a region is recomputed next to everything still kept -- where the peak of a
+checkpointed step usually lands, and what a plan that only counts bytes saved at the end of forward misses.
+Recomputation is priced in time, for the steps a region's recomputation runs (checkpoint stops it once the last saved
+tensor is saved again, so a region over a transformer layer never recomputes its last linear): each node's forward
+measured on real tensors shaped like the example (fxopt.analysis.op_times; FLOPs where the graph cannot run so), plus
+what a region costs beyond its ops (per op it holds: measured once, fxopt.checkpointing._region_overhead; per region: on
+a block of this graph, fxopt.checkpointing.calibration, figure `region_overhead_ms`), so the plan with the lowest
+predicted step time whose predicted peak fits is chosen (figure `predicted_recompute_s`). An exact dynamic program over
+region boundaries and the region kinds returns the cheapest plan under the budget (a √n split would ignore both the
+prices and where the peak lands); if no plan fits, the cheapest plan at the lowest reachable peak -- loudly: a
+UserWarning (at the caller's line) and the report's headline name the budget, that floor ("lowest reachable: 0.45x"),
+what keeps the step above it and the budget it meets. A region that would free nothing (no saved bytes, no lower peak)
+is never made.
 
 Why it is safe: a recomputed region computes the same values from the same inputs; the non-reentrant checkpoint restores
 the RNG state before recomputing, so dropout draws the same mask; a BatchNorm updates its running statistics on the
