@@ -79,3 +79,62 @@ def test_regions_carry_their_shapes():
         fresh = next(n for n in gm.graph.nodes if n.name == name).meta["val"]
         for a, b in zip(val if isinstance(val, tuple) else (val,), fresh if isinstance(fresh, tuple) else (fresh,)):
             assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+
+
+class _NormedHead(torch.nn.Module):
+    """Pre-norm residual blocks, then a final LayerNorm and a wide head, as a language model ends."""
+
+    def __init__(self, width: int = 32, depth: int = 3, vocab: int = 640):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, width),
+                                                              torch.nn.GELU()) for _ in range(depth))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+
+def _normed_head_profile(caller_loss: bool, depth: int = 3):
+    torch.manual_seed(0)
+    return step_profile(exported_graph(_NormedHead(depth=depth).train(), (torch.randn(4, 16, 32),)),
+                        caller_loss=caller_loss)
+
+
+def test_boundaries_offer_the_end_of_a_chain_crossing_as_few_bytes():
+    """The final residual add and the layer norm reading only it cross as few bytes: both ends are offered, and the
+    lowest-peak plan runs its region through the layer norm, keeping one tensor before the head, not two (deep
+    enough that a window of the boundary search holds more than one step)."""
+    profile = _normed_head_profile(caller_loss=False, depth=40)
+    names = [s.node.name for s in profile.steps]
+    after_add, after_norm = names.index("add_39") + 1, names.index("layer_norm_40") + 1
+    assert len(names) > 2 * planner.MAX_BOUNDARIES
+    assert {after_add, after_norm} <= planner.region_boundaries(profile)
+    lowest = planner.plan_regions(profile, float("inf"), [True] * len(names), objective="peak")
+    assert any(r.start < after_add and r.stop >= after_norm for r in lowest)
+
+
+def test_lowest_peak_search_under_a_rising_limit_finds_the_unbounded_plan():
+    """The lowest-peak search under limits rising from the floor returns the plan the unbounded search returns."""
+    for profile in (_normed_head_profile(caller_loss=True), _normed_head_profile(caller_loss=False)):
+        checkpointable = [True] * len(profile.steps)
+        risen = planner.plan_regions(profile, float("inf"), checkpointable, objective="peak")
+        unbounded = planner._search(profile, float("inf"), checkpointable, "peak", lambda region: True)
+        assert risen == unbounded
+
+
+def test_budget_under_the_callers_loss_is_refused_before_any_label_grows(monkeypatch):
+    """A budget the caller's loss alone (its tensors and the head's output made last) exceeds drops every label at the
+    first position: no plan, and no label survives to be extended."""
+    profile = _normed_head_profile(caller_loss=True)
+    loss = profile.loss_tensors * profile.bytes_of(profile.loss_outputs)
+    assert planner._backward_floor(profile)[0] == max(loss + profile.bytes_of(profile.loss_outputs),
+                                                      max(planner._backward_floor(profile)[1:]))
+    surviving = []
+    real_prune = planner._prune
+    monkeypatch.setattr(planner, "_prune", lambda *args: surviving.extend(real_prune(*args)) or real_prune(*args))
+    assert planner.plan_regions(profile, loss + profile.bytes_of(profile.loss_outputs) / 2,
+                                [True] * len(profile.steps)) is None
+    assert not surviving

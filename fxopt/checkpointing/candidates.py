@@ -23,7 +23,7 @@ from ..analysis.shapes import propagate_shapes
 from ..collector import collector_paused
 from ..model_copy import graph_module_copy
 from .eligibility import refusal
-from .planner import Plan, as_plan, plan_regions, region_boundaries
+from .planner import Plan, as_plan, plan_regions, region_boundaries, regions_between
 from .profile import Region, StepProfile, estimate, step_profile
 
 LADDER = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # planner limits, fractions of the estimated step peak
@@ -90,15 +90,5 @@ def _strided_plans(profile: StepProfile, checkpointable: list[bool]) -> list[tup
     plans = []
     for stride in sorted({round(STRIDE_GROWTH ** k) for k in range(64) if STRIDE_GROWTH ** k < len(boundaries)}):
         cuts = boundaries[::stride] + ([boundaries[-1]] if (len(boundaries) - 1) % stride else [])
-        regions = []
-        for start, stop in zip(cuts, cuts[1:]):
-            run_start = None
-            for p in range(start, stop + 1):
-                inside = p < stop and checkpointable[p]
-                if inside and run_start is None:
-                    run_start = p
-                elif not inside and run_start is not None:
-                    regions.append(Region(run_start, p))
-                    run_start = None
-        plans.append((f"regions every {stride} boundaries", tuple(regions)))
+        plans.append((f"regions every {stride} boundaries", regions_between(cuts, checkpointable)))
     return plans

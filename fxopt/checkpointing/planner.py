@@ -14,15 +14,16 @@ steps may still read (so a tensor saved by two nodes counts once). That makes th
     (no more bytes kept and no more cost under the same key).
 
 Region boundaries are restricted to cheap-to-save points (`region_boundaries`: per window of the steps, where the
-fewest activation bytes cross), at most MAX_BOUNDARIES of them, so the search does not grow with the square of the
-depth (docs/checkpointing.md); the price is a higher lowest reachable peak, since regions cannot start anywhere. A
-region [start, stop) is only tried when no refused step lies inside, and whether each region is allowed is asked
-once, not per label. The last position's cheapest label is the optimal plan among those boundaries under this
-memory model (dynamic programming, not a greedy cut), in O(steps × labels + boundaries² × labels); it is exact
-while at most MAX_LABELS labels survive domination at a position, else the cheapest and the leanest label of each
-band of bytes kept are kept (`_prune`); labels keeping so much that the gradients of a later backward would exceed
-the budget are dropped first (`_backward_floor`). Regions stop growing once what they would recompute alone exceeds
-the budget, and a budget the plan without regions already meets returns at once: nothing to recompute.
+fewest activation bytes cross, and the end of a chain crossing as few), at most 2 × MAX_BOUNDARIES of them, so the
+search does not grow with the square of the depth (docs/checkpointing.md); the price is a higher lowest reachable
+peak, since regions cannot start anywhere. A region [start, stop) is only tried when no refused step lies inside, and
+whether each region is allowed is asked once, not per label. The last position's cheapest label is the optimal plan
+among those boundaries under this memory model (dynamic programming, not a greedy cut), in O(steps × labels +
+boundaries² × labels); it is exact while at most MAX_LABELS labels survive domination at a position, else the cheapest
+and the leanest label of each band of bytes kept are kept (`_prune`); labels keeping so much that the gradients of a
+later backward would exceed the budget are dropped first (`_backward_floor`). Regions stop growing once what they
+would recompute alone exceeds the budget, and a budget the plan without regions already meets returns at once: nothing
+to recompute.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from .profile import LEAST_LOSS_TENSORS, Estimate, Region, StepProfile, estimate
 MAX_LABELS = 64  # bands of bytes kept per position and held tensors: bounds the search at a small loss of optimality
 # (fewer miss the optimum where selective regions may keep their costly ops only: docs/checkpointing.md)
 MAX_BOUNDARIES = 48  # region starts/stops considered: the search grows with their square, not the depth's
+PEAK_SEARCH_RISES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)  # plan_regions' limits for the lowest peak, above its floor
 FLOOR_TOLERANCE = 0.05  # plan_floor: a plan this fraction above the lowest reachable peak still counts as reaching it
 
 
@@ -76,20 +78,33 @@ def _prune(labels: list[_Label], objective: str, most_kept: float) -> list[_Labe
 
 
 def _backward_floor(profile: StepProfile) -> list[int]:
-    """Per position p: the least any plan's step holds above its kept bytes during some backward at or after p (the
-    gradients there and a convolution's scratch): a label keeping more than the budget less this fits no plan."""
-    floor = [0] * (len(profile.steps) + 1)
-    for p in range(len(profile.steps) - 1, -1, -1):
-        floor[p] = max(floor[p + 1], profile.grad_live[p] + (profile.steps[p].backward_scratch or 0))
+    """Per position p: the least any plan's step holds above its kept bytes during some backward at or after p: the
+    gradients there and a convolution's scratch, or, where the caller's loss runs first, its own tensors and the
+    outputs made at or after p (kept or not, they are not among a label's kept bytes at p yet). Kept bytes only
+    grow, so a label at p keeping more than the budget less this fits no plan."""
+    n = len(profile.steps)
+    loss_outputs_from = [0] * (n + 1)  # bytes of the caller loss's outputs made at or after p
+    for p, step in enumerate(profile.steps):
+        loss_outputs_from[p] += profile.bytes_of(step.creates & profile.loss_outputs)
+    loss_outputs_from = list(itertools.accumulate(reversed(loss_outputs_from)))[::-1]
+    loss = profile.loss_tensors * profile.bytes_of(profile.loss_outputs) if profile.loss_outputs else 0
+    floor = [loss] * (n + 1)
+    for p in range(n - 1, -1, -1):
+        floor[p] = max(floor[p + 1], profile.grad_live[p] + (profile.steps[p].backward_scratch or 0),
+                       loss + loss_outputs_from[p] if profile.loss_outputs else 0)
     return floor
 
 
 def region_boundaries(profile: StepProfile) -> frozenset[int]:
-    """Positions a region may start or stop at: cheap-to-save points, at most MAX_BOUNDARIES of them.
+    """Positions a region may start or stop at: cheap-to-save points, one or two per window of MAX_BOUNDARIES windows.
 
-    The steps are cut into MAX_BOUNDARIES windows; each window offers the position where the fewest
-    bytes of activations cross (in a chain of blocks: a block boundary, where only the residual
-    stream crosses). This bounds the region search at O(MAX_BOUNDARIES²) whatever the depth.
+    Each window offers the position where the fewest bytes of activations cross (in a chain of
+    blocks: a block boundary, where only the residual stream crosses). Where the positions right
+    after it cross as few bytes and the steps between make new tensors (a chain such as
+    add -> layer_norm, each step reading only its predecessor), the last of that run is offered
+    too: a region stopping there keeps only the chain's last tensor, not each one its next step
+    saves (the final layer norm before a language model's head). This bounds the region search at
+    O(MAX_BOUNDARIES²) whatever the depth.
     """
     n = len(profile.steps)
     made = {k: p for p, s in enumerate(profile.steps) for k in s.creates}
@@ -104,8 +119,29 @@ def region_boundaries(profile: StepProfile) -> frozenset[int]:
     for w in range(windows):
         lo, hi = 1 + w * (n - 1) // windows, 1 + (w + 1) * (n - 1) // windows
         if lo < hi:
-            chosen.add(min(range(lo, hi), key=lambda p: (crossing[p], p)))
+            first = min(range(lo, hi), key=lambda p: (crossing[p], p))
+            last = first
+            while last + 1 < hi and crossing[last + 1] == crossing[first]:
+                last += 1
+            chosen.add(first)
+            if any(profile.steps[q].outputs for q in range(first, last)):  # a chain of new tensors, not only views
+                chosen.add(last)
     return frozenset(chosen)
+
+
+def regions_between(cuts: Sequence[int], checkpointable: Sequence[bool]) -> tuple[Region, ...]:
+    """Whole regions between consecutive `cuts` (sorted positions), each split around the refused steps inside."""
+    regions = []
+    for start, stop in zip(cuts, cuts[1:]):
+        run_start = None
+        for p in range(start, stop + 1):
+            inside = p < stop and checkpointable[p]
+            if inside and run_start is None:
+                run_start = p
+            elif not inside and run_start is not None:
+                regions.append(Region(run_start, p))
+                run_start = None
+    return tuple(regions)
 
 
 def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[bool],
@@ -113,7 +149,28 @@ def plan_regions(profile: StepProfile, budget: float, checkpointable: Sequence[b
                  ) -> tuple[Region, ...] | None:
     """The plan with the least recompute cost (objective "cost") whose estimated backward peak is at
     most `budget` bytes, or the plan with the lowest peak (objective "peak"); None if none fits.
-    Only regions `allowed` accepts are used."""
+    Only regions `allowed` accepts are used.
+
+    With no budget, the lowest peak is searched under a rising limit: from just above the least any
+    plan holds (`_backward_floor` at the start) up to the peak of a plan known to exist (a region
+    between every two boundaries, or none), then with none. The first limit any plan fits gives the
+    same plan as the unbounded search, and a tight limit drops most labels from the start (GPT-2,
+    12 layers: 20-60 s unbounded, under 1 s from its floor)."""
+    if objective == "peak" and budget == math.inf:
+        every_boundary = tuple(r for r in regions_between(sorted(region_boundaries(profile)), checkpointable)
+                               if allowed(r))
+        known = min(estimate(profile).peak, estimate(profile, every_boundary).peak)
+        least = _backward_floor(profile)[0]
+        for limit in [least * (1 + rise) for rise in PEAK_SEARCH_RISES if least * (1 + rise) < known] + [known]:
+            found = _search(profile, limit, checkpointable, objective, allowed)
+            if found is not None:
+                return found
+    return _search(profile, budget, checkpointable, objective, allowed)
+
+
+def _search(profile: StepProfile, budget: float, checkpointable: Sequence[bool], objective: str,
+            allowed: Callable[[Region], bool]) -> tuple[Region, ...] | None:
+    """plan_regions' shortest-path search (module docstring) under `budget`."""
     n = len(profile.steps)
     if objective == "cost" and estimate(profile).backward_peak <= budget:
         return ()
