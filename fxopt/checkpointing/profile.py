@@ -297,6 +297,11 @@ class StepProfile:
         self._saves_what_it_makes = [bool(s.saved & s.creates) for s in self.steps]
         # each step's backward holds the gradients and what it allocates beyond them (Step.backward_scratch)
         self._backward_above = [g + (s.backward_scratch or 0) for g, s in zip(self.grad_live, self.steps)]
+        # how long a kept tensor matters to the segments after it (segment_delta's tensors still readable): until
+        # its last reader among the steps; a graph output only the caller's loss reads matters to it to the end
+        last_step_read = {k: p for p, s in enumerate(self.steps) for k in s.creates | s.reads}
+        self._read_until = {k: p for k, p in last_step_read.items()
+                            if self.last_read[k] == len(self.steps) and k not in self.loss_outputs}
 
     def segment_delta(self, held: frozenset, segment: Region | int) -> tuple[int, int, frozenset]:
         """(bytes newly kept, live bytes above everything kept during its backward, tensors still readable after)."""
@@ -308,7 +313,7 @@ class StepProfile:
                 keeps, stop, above = self.region_keeps(segment), segment.stop, self._region_above(segment, held)
             if stop == len(self.steps) and self.loss_outputs:  # the caller's loss runs before this backward
                 above = max(above, self._caller_loss_above(held | keeps))
-            still_read = frozenset(k for k in held | keeps if self.last_read[k] >= stop)
+            still_read = frozenset(k for k in held | keeps if self._read_until.get(k, self.last_read[k]) >= stop)
             self._deltas[key] = (self.bytes_of(keeps - held), above, still_read)
         return self._deltas[key]
 
