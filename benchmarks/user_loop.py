@@ -148,7 +148,7 @@ def training(steps: int, size: str = "small", batch: int = 8, unseen: int = 100,
         plans = [len(r["checkpoint_activations"].figures.get("regions", [])) for r in fast.fxopt_reports
                  if any(p.name == "checkpoint_activations" for p in r.passes)]
         rows.append([name, steps, "yes" if equal else f"no: {losses}", f"{eager_peak / 2**20:.1f}",
-                     f"{fxopt_peak / 2**20:.1f}", f"{fxopt_peak / eager_peak:.3f}", len(fast.fxopt_reports),
+                     f"{fxopt_peak / 2**20:.1f}", f"{fxopt_peak / eager_peak:.4f}", len(fast.fxopt_reports),
                      " ".join(map(str, plans))])
     print(tabulate(rows, headers=["model", "steps", "losses equal eager's", f"eager peak MiB ({batch} x {unseen})",
                                   "fxopt peak MiB", "ratio", "graphs", "regions per plan"]))
