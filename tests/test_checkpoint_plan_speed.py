@@ -157,17 +157,20 @@ class _EveryBlockOut(torch.nn.Module):
         return x, *states
 
 
-def test_outputs_no_step_reads_leave_the_held_tensors(monkeypatch):
+@pytest.mark.parametrize("caller_loss", [False, True])
+def test_outputs_no_step_reads_leave_the_held_tensors(caller_loss, monkeypatch):
     """A kept graph output that no later step reads stops telling labels apart once its readers have run (GPT-2's
-    key/value cache split the labels into hundreds of held sets): the plans are those of the full held sets, made
-    with fewer distinct held sets."""
+    key/value cache split the labels into hundreds of held sets), also where the caller's loss reads it (its bytes
+    summed): the plans are those of the full held sets, made with fewer distinct held sets."""
     torch.manual_seed(0)
-    profile = step_profile(exported_graph(_EveryBlockOut().train(), (torch.randn(64, 32),)))
+    graph = exported_graph(_EveryBlockOut().train(), (torch.randn(64, 32),))
+    profile = step_profile(graph, caller_loss=caller_loss)
     checkpointable = [True] * len(profile.steps)
-    budgets = [f * estimate(profile).peak for f in (0.8, 0.6, 0.5)]
+    budgets = [f * estimate(profile).peak for f in (0.8, 0.7, 0.6, 0.5)]
     plans = [planner.plan_regions(profile, b, checkpointable) for b in budgets]
+    assert any(plans), plans
     held_sets = len({held for held, _ in profile._deltas})
-    full = step_profile(exported_graph(_EveryBlockOut().train(), (torch.randn(64, 32),)))
+    full = step_profile(graph, caller_loss=caller_loss)
     monkeypatch.setattr(full, "_read_until", {})
     assert [planner.plan_regions(full, b, checkpointable) for b in budgets] == plans
     assert held_sets < len({held for held, _ in full._deltas})

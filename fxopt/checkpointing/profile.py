@@ -65,6 +65,8 @@ from ..analysis.shapes import tensor_meta
 Key = Hashable  # a storage (or a node's private saved buffer, such as a dropout mask)
 COPY = "copy"  # the key (COPY, node name): the copies of its inputs a node saves (saved_tensors.saved_copies)
 STATE = "checkpoint_state"  # the key (STATE, start, stop): what the region over [start, stop) keeps besides tensors
+LEFT_LOSS_OUTPUTS = "kept_loss_outputs"  # the key (LEFT_LOSS_OUTPUTS, bytes): the kept outputs only the caller's loss
+# still reads, summed (segment_delta)
 CALLER_LOSS_TENSORS = 4  # output-sized tensors the caller's loss holds at its backward's peak (module docstring)
 LEAST_LOSS_TENSORS = 1  # the least a loss holds: the outputs' gradients (planner.plan_floor)
 
@@ -297,14 +299,18 @@ class StepProfile:
         self._saves_what_it_makes = [bool(s.saved & s.creates) for s in self.steps]
         # each step's backward holds the gradients and what it allocates beyond them (Step.backward_scratch)
         self._backward_above = [g + (s.backward_scratch or 0) for g, s in zip(self.grad_live, self.steps)]
-        # how long a kept tensor matters to the segments after it (segment_delta's tensors still readable): until
-        # its last reader among the steps; a graph output only the caller's loss reads matters to it to the end
+        # how long a kept graph output matters to the segments after it by itself (segment_delta's tensors still
+        # readable): until its last reader among the steps
         last_step_read = {k: p for p, s in enumerate(self.steps) for k in s.creates | s.reads}
-        self._read_until = {k: p for k, p in last_step_read.items()
-                            if self.last_read[k] == len(self.steps) and k not in self.loss_outputs}
+        self._read_until = {k: p for k, p in last_step_read.items() if self.last_read[k] == len(self.steps)}
 
     def segment_delta(self, held: frozenset, segment: Region | int) -> tuple[int, int, frozenset]:
-        """(bytes newly kept, live bytes above everything kept during its backward, tensors still readable after)."""
+        """(bytes newly kept, live bytes above everything kept during its backward, tensors still readable after).
+
+        A kept graph output leaves the tensors still readable after its last reader among the steps: no later
+        segment keeps it again, so which of them were kept no longer tells plans apart (GPT-2's key/value cache
+        split the planner's labels into hundreds of held sets: docs/checkpointing.md). Only the caller's loss
+        still reads it, and its term needs only their bytes, summed into one key (LEFT_LOSS_OUTPUTS)."""
         key = (held, segment)
         if key not in self._deltas:
             if isinstance(segment, int):
@@ -313,9 +319,21 @@ class StepProfile:
                 keeps, stop, above = self.region_keeps(segment), segment.stop, self._region_above(segment, held)
             if stop == len(self.steps) and self.loss_outputs:  # the caller's loss runs before this backward
                 above = max(above, self._caller_loss_above(held | keeps))
-            still_read = frozenset(k for k in held | keeps if self._read_until.get(k, self.last_read[k]) >= stop)
+            kept = held | keeps
+            leaving = frozenset(k for k in kept if self._read_until.get(k, self.last_read[k]) < stop)
+            still_read = kept - leaving
+            if leaving & self.loss_outputs:
+                still_read = self._loss_outputs_summed(still_read, self.bytes_of(leaving & self.loss_outputs))
             self._deltas[key] = (self.bytes_of(keeps - held), above, still_read)
         return self._deltas[key]
+
+    def _loss_outputs_summed(self, held: frozenset, leaving: int) -> frozenset:
+        """`held` with its summed key of kept loss outputs (LEFT_LOSS_OUTPUTS) grown by `leaving` bytes."""
+        summed = frozenset(k for k in held if isinstance(k, tuple) and k[0] == LEFT_LOSS_OUTPUTS)
+        total = leaving + sum(k[1] for k in summed)
+        key = (LEFT_LOSS_OUTPUTS, total)
+        self.nbytes[key], self.last_read[key] = total, len(self.steps)
+        return held - summed | {key}
 
     def _region_above(self, r: Region, held: frozenset) -> int:
         """Live bytes above everything kept during a region's backward, with `held` kept before it. That depends on
@@ -332,7 +350,9 @@ class StepProfile:
     def _caller_loss_above(self, kept: frozenset) -> int:
         """Live bytes above everything kept while the caller's loss runs its backward: the outputs no step keeps,
         and the loss's own tensors (module docstring)."""
-        return self.bytes_of(self.loss_outputs - kept) + self.loss_tensors * self.bytes_of(self.loss_outputs)
+        summed = sum(k[1] for k in kept if isinstance(k, tuple) and k[0] == LEFT_LOSS_OUTPUTS)  # kept, not in `kept`
+        return (self.bytes_of(self.loss_outputs - kept) - summed
+                + self.loss_tensors * self.bytes_of(self.loss_outputs))
 
     def _cached_outputs(self, r: Region) -> frozenset:
         """The outputs a selective region keeps that its recomputation takes from torch's cache, which drops each
