@@ -87,11 +87,11 @@ def _backward_floor(profile: StepProfile) -> list[int]:
     for p, step in enumerate(profile.steps):
         loss_outputs_from[p] += profile.bytes_of(step.creates & profile.loss_outputs)
     loss_outputs_from = list(itertools.accumulate(reversed(loss_outputs_from)))[::-1]
-    loss = profile.loss_tensors * profile.bytes_of(profile.loss_outputs) if profile.loss_outputs else 0
+    loss = profile.loss_tensors * profile.bytes_of(profile.loss_outputs)  # 0 without the caller's loss
     floor = [loss] * (n + 1)
     for p in range(n - 1, -1, -1):
         floor[p] = max(floor[p + 1], profile.grad_live[p] + (profile.steps[p].backward_scratch or 0),
-                       loss + loss_outputs_from[p] if profile.loss_outputs else 0)
+                       loss + loss_outputs_from[p])
     return floor
 
 

@@ -329,7 +329,7 @@ class StepProfile:
 
     def _loss_outputs_summed(self, held: frozenset, leaving: int) -> frozenset:
         """`held` with its summed key of kept loss outputs (LEFT_LOSS_OUTPUTS) grown by `leaving` bytes."""
-        summed = frozenset(k for k in held if isinstance(k, tuple) and k[0] == LEFT_LOSS_OUTPUTS)
+        summed = _summed_loss_outputs(held)
         total = leaving + sum(k[1] for k in summed)
         key = (LEFT_LOSS_OUTPUTS, total)
         self.nbytes[key], self.last_read[key] = total, len(self.steps)
@@ -350,7 +350,7 @@ class StepProfile:
     def _caller_loss_above(self, kept: frozenset) -> int:
         """Live bytes above everything kept while the caller's loss runs its backward: the outputs no step keeps,
         and the loss's own tensors (module docstring)."""
-        summed = sum(k[1] for k in kept if isinstance(k, tuple) and k[0] == LEFT_LOSS_OUTPUTS)  # kept, not in `kept`
+        summed = sum(k[1] for k in _summed_loss_outputs(kept))  # kept, though their own keys are not in `kept`
         return (self.bytes_of(self.loss_outputs - kept) - summed
                 + self.loss_tensors * self.bytes_of(self.loss_outputs))
 
@@ -444,6 +444,11 @@ class SegmentEffect(NamedTuple):  # a tuple: the planner makes one per step and 
     held: frozenset  # kept tensors still readable later (the planner's state)
     kept_bytes: int  # bytes kept by every segment so far
     peak: int  # the largest backward live bytes inside this segment
+
+
+def _summed_loss_outputs(keys: frozenset) -> frozenset:
+    """The summed key of kept loss outputs (LEFT_LOSS_OUTPUTS) among `keys`: none or one."""
+    return frozenset(k for k in keys if isinstance(k, tuple) and k[0] == LEFT_LOSS_OUTPUTS)
 
 
 def segment_effect(profile: StepProfile, held: frozenset, kept_bytes: int, segment: Region | int) -> SegmentEffect:
