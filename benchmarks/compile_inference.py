@@ -15,7 +15,8 @@ Because load from other processes moves between interpreters, the variants are a
 side by side (`--side-by-side`): one interpreter per model compiles all three, each with its
 own backend object (Dynamo reuses compiled code only for an equal backend), freezing switched on
 only while its variant's first call compiles, and then calls eager and the three compiled
-models round-robin; medians and ratios come from those interleaved calls.
+models round-robin, each round starting one variant further along. Ratios are medians of the
+per-round ratios (`device.paired_ratio`), which cancel load that drifts between rounds.
 
     python benchmarks/compile_inference.py                  # cold compile + latency, one interpreter per variant
     python benchmarks/compile_inference.py --side-by-side   # latency of all variants in one interpreter per model
@@ -141,10 +142,11 @@ def side_by_side(name: str, repeats: int, device, dtype) -> list[dict]:
         inductor_config.freezing = False
         calls["fxopt"] = torch.compile(copy.deepcopy(model), backend="fxopt")
         diffs = {v: float((fn(x) - expected).abs().max()) for v, fn in calls.items()}
-        medians = dev.round_robin_ms({v: lambda fn=fn: fn(x) for v, fn in calls.items()}, device, repeats, warmup=2)
-    return [{"model": name, "variant": v, "median ms": ms, "speedup vs eager": medians["eager"] / ms,
-             "vs inductor+freezing": medians["inductor+freezing"] / ms, "max |diff|": diffs[v]}
-            for v, ms in medians.items()]
+        times = dev.round_robin_times({v: lambda fn=fn: fn(x) for v, fn in calls.items()}, device, repeats, warmup=2)
+    return [{"model": name, "variant": v, "median ms": statistics.median(t),
+             "speedup vs eager": dev.paired_ratio(times, "eager", v),
+             "vs inductor+freezing": dev.paired_ratio(times, "inductor+freezing", v), "max |diff|": diffs[v]}
+            for v, t in times.items()]
 
 
 def run_side_by_side(models=MODELS, repeats: int = 10, device_args=()) -> list[dict]:
@@ -214,7 +216,7 @@ def main() -> None:
     models = ("resnet18",) if args.quick and not args.models else tuple(args.models or MODELS)
     repeats = args.repeats or (5 if args.quick else 10)
     if args.side_by_side:
-        print(f"batch {BATCH}, 3x{SIZE}x{SIZE}, {dev.describe(device, dtype)}, median of {repeats} round-robin calls, "
+        print(f"batch {BATCH}, 3x{SIZE}x{SIZE}, {dev.describe(device, dtype)}, median of {repeats} round-robin rounds, "
               "one interpreter")
         print(tabulate(run_side_by_side(models, repeats, device_args), headers="keys", floatfmt=".3g"))
         return

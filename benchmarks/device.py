@@ -68,16 +68,34 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     return (clock() - t) * 1e3
 
 
-def round_robin_ms(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,
-                   warmup: int = 1) -> dict[str, float]:
-    """Median milliseconds of each callable, timed in rounds that call every one once (load hits all alike)."""
+def round_robin_times(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,
+                      warmup: int = 1) -> dict[str, list[float]]:
+    """Milliseconds of each callable in each round; a round calls every one once, so load hits all alike.
+
+    Each round starts one callable further along, so none always runs right after the same neighbour
+    (whose caches, allocations and clock state it would otherwise inherit every time).
+    """
     times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     for round_ in range(warmup + rounds):
-        for name, fn in fns.items():
-            ms = time_ms(fn, device)
+        start = round_ % len(names)
+        for name in names[start:] + names[:start]:
+            ms = time_ms(fns[name], device)
             if round_ >= warmup:
                 times[name].append(ms)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def round_robin_ms(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,
+                   warmup: int = 1) -> dict[str, float]:
+    """Median milliseconds of each callable over `round_robin_times`' rounds."""
+    return {name: statistics.median(t) for name, t in round_robin_times(fns, device, rounds, warmup).items()}
+
+
+def paired_ratio(times: dict[str, list[float]], baseline: str, name: str) -> float:
+    """Median over rounds of baseline's time / name's time in the same round (> 1: name is faster). Pairing each
+    round cancels load that drifts between rounds, which a ratio of the two medians does not."""
+    return statistics.median(b / t for b, t in zip(times[baseline], times[name]))
 
 
 def training_peak_bytes(model: torch.nn.Module, inputs: tuple, forward: Callable) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 import sys
 from collections.abc import Callable
@@ -357,9 +358,12 @@ def profiler_allocations(prof) -> list[tuple[int, int, int]]:
     return sorted(found)
 
 
+_version_of = operator.attrgetter("_version")
+
+
 def tensor_versions(tensors) -> list[int]:
-    """Each tensor's version counter (bumped by every in-place change)."""
-    return [t._version for t in tensors]
+    """Each tensor's version counter (bumped by every in-place change), read in one C-level loop."""
+    return list(map(_version_of, tensors))
 
 
 # ---- grad mode, autocast and tensor versions ----
