@@ -213,6 +213,39 @@ def test_through_aot_autograd_the_second_graph_is_partitioned_beside_what_the_fi
     assert backend.keeping.ledger.held() == KeptBytes(0, 0)
 
 
+def test_the_backend_named_by_string_shares_the_budget_across_a_graph_break():
+    """`torch.compile(model, backend="fxopt", options=...)` with a budget: graph two is partitioned for the size budget
+    less what graph one keeps, as with `fxopt.backend(...)`, through the one options dict torch.compile hands both."""
+    torch.manual_seed(0)
+    reports = []
+    options = {"inner": "aot_eager", "memory_budget": "6MB", "report": reports.append}
+    compiled = torch.compile(TwoGraphs().train(), backend="fxopt", options=options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # graph two may not fit what is left
+        compiled(torch.randn(512, 128)).sum().backward()
+    first, second = [r["checkpoint_activations"].figures for r in reports]
+    assert first["held_by_earlier_graphs"] == 0
+    assert second["held_by_earlier_graphs"] == first["saved_bytes_after"] > 0
+    assert second["budget_bytes"] == 6_000_000 - first["saved_bytes_after"]
+
+
+def test_the_string_backends_ledgers_are_one_per_options_dict_and_bounded():
+    """Each options dict (one torch.compile call) has its own ledger, an equal dict of another call included; a
+    dict without a budget has none; only the newest `LIMIT` ledgers are kept."""
+    from fxopt.frontends.backend import BackendOptions, _LedgersByOptions
+
+    ledgers = _LedgersByOptions()
+    first, equal = {"memory_budget": 0.5}, {"memory_budget": 0.5}
+    ledger = ledgers.ledger_of(first, BackendOptions.parse(first))
+    assert ledgers.ledger_of(first, BackendOptions.parse(first)) is ledger
+    assert ledgers.ledger_of(equal, BackendOptions.parse(equal)) is not ledger
+    assert ledgers.ledger_of({"inner": "eager"}, BackendOptions.parse({"inner": "eager"})) is None
+    for _ in range(ledgers.LIMIT):
+        later = {"memory_budget": 0.5}
+        ledgers.ledger_of(later, BackendOptions.parse(later))
+    assert ledgers.ledger_of(first, BackendOptions.parse(first)) is not ledger
+
+
 def test_through_aot_autograd_a_dynamic_graphs_calls_are_held_and_its_plan_kept():
     """A graph AOTAutograd compiled with a symbolic batch keeps its one plan for every size (one made at a call's sizes
     would serve only those): its calls are still held in the ledger, so the graph after it is planned beside them."""

@@ -204,7 +204,38 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None
     """The backend registered as "fxopt": `torch.compile(model, backend="fxopt", options={...})`."""
     if unexpected:
         raise FxoptError(f"backend 'fxopt' takes options={{...}}, not {', '.join(sorted(unexpected))}=")
-    return _forward_of(compile_graph(gm, list(example_inputs), BackendOptions.parse(options), Keeping()))
+    parsed = BackendOptions.parse(options)
+    keeping = Keeping(ledger=_STRING_BACKEND_LEDGERS.ledger_of(options, parsed))
+    return _forward_of(compile_graph(gm, list(example_inputs), parsed, keeping))
+
+
+class _LedgersByOptions:
+    """The step ledger of each `torch.compile(..., backend="fxopt", options=...)` with a memory_budget.
+
+    torch.compile hands every graph of one call the same `options` dict (its wrapper keeps it), and nothing else of
+    that call reaches a backend function: so the graphs of one compile, split by graph breaks, find their shared
+    ledger by that dict's identity. The dict is held, so its identity names no other dict while its entry lives;
+    only the `LIMIT` newest entries live, and a graph whose entry was dropped starts a new ledger (its step's graphs
+    then share the budget from the next step on)."""
+
+    LIMIT = 64
+
+    def __init__(self):
+        self._entries: dict[int, tuple[dict, StepLedger]] = {}
+
+    def ledger_of(self, options: dict | None, parsed: BackendOptions) -> StepLedger | None:
+        if options is None or parsed.memory_budget is None:
+            return None
+        held, ledger = self._entries.pop(id(options), (None, None))
+        if held is not options:
+            ledger = StepLedger(lambda: options.get("memory_budget"))  # as given, which `parsed` checked
+        self._entries[id(options)] = (options, ledger)  # newest last
+        while len(self._entries) > self.LIMIT:
+            del self._entries[next(iter(self._entries))]
+        return ledger
+
+
+_STRING_BACKEND_LEDGERS = _LedgersByOptions()
 
 
 def backend(**options) -> FxoptBackend:
