@@ -66,6 +66,8 @@ def test_a_new_length_runs_dynamos_graph_as_captured_with_eagers_outputs(name):
     static, dynamic = fast.fxopt_reports
     assert dynamic.dynamic_sizes and not static.dynamic_sizes
     assert all("runs as captured, untraced" in p.skipped for report in (static, dynamic) for p in report.passes)
+    assert "Dynamic sizes (the graph runs as captured, at every size)" in str(dynamic)
+    assert "planned at" not in str(dynamic)
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2"])

@@ -104,6 +104,11 @@ class Report:
         rows = [[p.name, s.node, s.action, s.reason, s.detail] for p in self.passes for s in p.sites if keep(p, s)]
         return tabulate(rows, headers=["pass", "node", "action", "reason", "detail"]) if rows else ""
 
+    @property
+    def runs_as_captured(self) -> bool:
+        """Whether no pass planned or changed anything in this graph: fxopt left it as Dynamo captured it."""
+        return bool(self.not_optimized) or (bool(self.passes) and all(p.skipped for p in self.passes))
+
     def dynamo_sections(self) -> list[str]:
         """Lines on what TorchDynamo did for this graph: why it compiled again, the graph breaks before it,
         which input sizes are symbolic, and why fxopt left the graph as captured (empty if none of these)."""
@@ -118,6 +123,8 @@ class Report:
         if self.size_class:
             lines += ["", f"Dynamic sizes: {'; '.join(self.dynamic_sizes)}. This plan serves the size class "
                       f"{self.size_class}; the first call of another class is planned at its own sizes"]
+        elif self.dynamic_sizes and self.runs_as_captured:
+            lines += ["", "Dynamic sizes (the graph runs as captured, at every size): " + "; ".join(self.dynamic_sizes)]
         elif self.dynamic_sizes:
             lines += ["", "Dynamic sizes (planned at the sizes of the call that compiled the graph; one plan serves "
                       "every size): " + "; ".join(self.dynamic_sizes)]
