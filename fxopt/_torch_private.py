@@ -260,6 +260,18 @@ def op_is_random(op) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
 
 
+@functools.cache
+def onednn_convolution_ops() -> tuple | None:
+    """oneDNN's weight reorder and its convolution on a reordered weight, as Inductor's CPU freezing uses them
+    (`mkldnn._reorder_convolution_weight`, `mkldnn._convolution_pointwise`); None where this torch has no oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return (torch.ops.mkldnn._reorder_convolution_weight.default, torch.ops.mkldnn._convolution_pointwise.default)
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def fold_constant_subgraphs(gm):
     """`gm` with every subgraph computed from its attributes alone (no input, no random or in-place op) run once
     now and kept as constants (torch.fx's `split_const_subgraphs`): a callable of the remaining inputs; None where

@@ -179,6 +179,26 @@ def is_constant(ref: fx.Node | None, constant_inputs: frozenset[str]) -> bool:
     return ref.op == "get_attr" or (ref.op == "placeholder" and ref.name in constant_inputs)
 
 
+def computed_from_state(node: fx.Node, constant_inputs: frozenset[str]) -> bool:
+    """Whether `node` is computed from the graph's parameters and buffers alone (placeholders in `constant_inputs`,
+    get_attr nodes), through ops that neither draw random numbers nor write in place: a value freezing computes once."""
+    todo, seen = [node], set()
+    while todo:
+        ref = todo.pop()
+        if ref in seen:
+            continue
+        seen.add(ref)
+        if ref.op == "placeholder" and ref.name not in constant_inputs:
+            return False
+        if ref.op == "call_function":
+            if _torch_private.op_is_random(ref.target) or _torch_private.op_is_mutable(ref.target):
+                return False
+            todo += ref.all_input_nodes
+        elif ref.op not in ("placeholder", "get_attr"):
+            return False
+    return True
+
+
 def draws_random_numbers(node: fx.Node) -> bool:
     """Whether `node` draws random numbers, or is an element of what such an op returns."""
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):

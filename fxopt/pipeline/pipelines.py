@@ -8,8 +8,9 @@ from ..passes import PASSES
 from ..passes.base import MODES, Pass
 
 DEFAULT_PIPELINES: dict[str, tuple[str, ...]] = {
+    # prepack_conv_weights last: the oneDNN ops it writes have no fake-tensor kernel for a pass after it to rerun.
     "inference": ("fold_conv_bn", "prune_dead_grads", "drop_zero_pads", "drop_eval_dropout", "channels_last",
-                  "inplace_relu"),
+                  "inplace_relu", "prepack_conv_weights"),
     # checkpoint_activations before inplace_relu: an in-place ReLU is a write the planner must keep out of
     # regions (and out of what they keep), while inplace_relu sees a region call as an unknown op and never
     # writes into its inputs or outputs, so each pass's gain survives the other. drop_eval_dropout before

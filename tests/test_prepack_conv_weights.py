@@ -1,0 +1,226 @@
+"""prepack_conv_weights: channels-last CPU convolutions run oneDNN's convolution on weights reordered once.
+
+Each case compares the result with the original in float32 (oneDNN's op takes no float64; both run the same
+oneDNN convolution, so the tolerance is 1e-5), outputs and their strides, and the model's buffers; it checks the
+report, including each case where the pass must leave a convolution alone.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.errors import FxoptError
+from fxopt.passes.prepack_conv_weights import onednn_conv2d
+from fxopt.pipeline.pipelines import DEFAULT_PIPELINES
+
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
+              pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")]
+
+IMAGES = (torch.randn(2, 3, 12, 12),)
+PASSES = ["fold_conv_bn", "channels_last", "inplace_relu", "prepack_conv_weights"]
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+class ConvNet(nn.Module):
+    """Conv-BN-ReLU, a depthwise conv with a residual add, a strided 1x1 conv and a flatten (a view needing
+    eager's contiguous strides back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.pointwise = nn.Conv2d(8, 16, 1, stride=2)
+        self.fc = nn.Linear(16 * 6 * 6, 4)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv1(x)))
+        y = y + self.depthwise(y)
+        return self.fc(self.pointwise(y).view(y.shape[0], -1))
+
+
+def _model(cls=ConvNet) -> nn.Module:
+    torch.manual_seed(0)
+    model = cls().eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+    return model
+
+
+def _optimized(model: nn.Module, passes=PASSES, inputs=IMAGES) -> nn.Module:
+    options = {"channels_last": "always"} if "channels_last" in passes else {}
+    return fxopt.optimize(copy.deepcopy(model), inputs, mode="inference", passes=passes, **options)
+
+
+def _assert_like_eager(model: nn.Module, optimized: nn.Module, inputs) -> None:
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    with torch.no_grad():
+        expected, got = model(*inputs), optimized(*inputs)
+    torch.testing.assert_close(got, expected, **TOLERANCE)
+    assert got.stride() == expected.stride()
+    for name, value in model.named_buffers():
+        torch.testing.assert_close(value, buffers[name], rtol=0, atol=0)
+
+
+def _onednn_convolutions(optimized: nn.Module) -> int:
+    return sum(n.target is onednn_conv2d for n in optimized.graph_module.graph.nodes)
+
+
+def test_every_channels_last_convolution_is_prepacked_and_computes_eagers_values():
+    """All three convolutions (the folded one, a depthwise and a strided 1x1) run oneDNN's convolution on a
+    reordered weight; outputs and their strides equal eager's, and no buffer changes."""
+    model = _model()
+    optimized = _optimized(model)
+    report = optimized.fxopt_report["prepack_conv_weights"]
+    assert report.stats == {"prepacked": 3} and _onednn_convolutions(optimized) == 3
+    _assert_like_eager(model, optimized, IMAGES)
+
+
+def _counting_reorders(monkeypatch) -> list:
+    """Count the weight reorders the graphs run from now on."""
+    from fxopt import _torch_private
+
+    reorder, convolve = _torch_private.onednn_convolution_ops()
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return reorder(*args)
+    monkeypatch.setattr(_torch_private, "onednn_convolution_ops", lambda: (counted, convolve))
+    return calls
+
+
+def test_the_eager_paths_freezing_reorders_each_weight_once(monkeypatch):
+    """Frozen at compile time, the calls after it reorder no weight; once a parameter changes, each call reorders
+    the three weights anew (as ATen's convolution does inside)."""
+    model = _model()
+    optimized = _optimized(model)
+    reorders = _counting_reorders(monkeypatch)
+    with torch.no_grad():
+        for _ in range(3):
+            optimized(*IMAGES)
+        assert not reorders
+        next(optimized.parameters()).add_(0.1)
+        with pytest.warns(UserWarning, match="changed after fxopt froze it"):
+            optimized(*IMAGES)
+    assert len(reorders) == 3
+
+
+def test_new_sizes_run_the_same_packed_weights():
+    """Weights reordered for the example's sizes serve every batch and resolution (oneDNN's convolution takes any
+    input for a reordered weight), with eager's values."""
+    model = _model()
+    optimized = _optimized(model)
+    for shape in ((5, 3, 12, 12), (1, 3, 12, 12), (3, 3, 12, 12)):
+        _assert_like_eager(model, optimized, (torch.randn(shape),))
+
+
+def test_a_parameter_changed_after_optimizing_is_followed():
+    """A step on the result's parameters after optimize() (an inference result stands for a private copy): the
+    frozen, reordered weights are no longer used and the graph reorders the current weights on each call, so
+    outputs follow the new parameters, with fxopt's one warning."""
+    model = _model()
+    optimized = _optimized(model)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        optimized(*IMAGES)
+        for p, q in zip(optimized.parameters(), reference.parameters()):
+            p.add_(0.1)
+            q.add_(0.1)
+    with pytest.warns(UserWarning, match="changed after fxopt froze it"):
+        _assert_like_eager(reference, optimized, IMAGES)
+
+
+def test_in_the_default_pipeline_it_runs_last_and_not_in_training():
+    """The default inference pipeline ends with it (its oneDNN ops have no fake-tensor kernel for a later pass);
+    the training pipeline has none of it; naming it for training is a clear error."""
+    assert DEFAULT_PIPELINES["inference"][-1] == "prepack_conv_weights"
+    assert "prepack_conv_weights" not in DEFAULT_PIPELINES["training"]
+    with pytest.raises(FxoptError, match="does not run in training mode"):
+        fxopt.optimize(_model().train(), IMAGES, mode="training", passes=["prepack_conv_weights"])
+
+
+def test_a_result_switched_to_training_gets_eagers_gradients():
+    """Optimized in eval mode, then trained: the training graph has no oneDNN convolution (it has no derivative),
+    and the loss and every gradient equal eager's."""
+    model = _model()
+    optimized = _optimized(model)
+    reference = copy.deepcopy(model)
+    optimized.train(), reference.train()
+    optimized(*IMAGES).sum().backward()
+    reference(*IMAGES).sum().backward()
+    assert _onednn_convolutions(optimized) == 0
+    for (name, p), q in zip(optimized.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOLERANCE, msg=name)
+
+
+def test_a_contiguous_input_is_refused():
+    """Without channels_last before it, the convolution's input is contiguous: oneDNN's op would return
+    channels-last where ATen returns contiguous, so the pass refuses."""
+    model = _model()
+    optimized = _optimized(model, passes=["prepack_conv_weights"])
+    assert optimized.fxopt_report["prepack_conv_weights"].stats == {"refused_not_channels_last": 3}
+    assert _onednn_convolutions(optimized) == 0
+    _assert_like_eager(model, optimized, IMAGES)
+
+
+def test_float64_is_refused():
+    """oneDNN's convolution takes no float64: a float64 model keeps ATen's convolutions."""
+    model = _model().double()
+    inputs = (IMAGES[0].double(),)
+    optimized = _optimized(model, inputs=inputs)
+    assert optimized.fxopt_report["prepack_conv_weights"].stats == {"refused_not_float32_cpu": 3}
+    _assert_like_eager(model, optimized, inputs)
+
+
+class InputWeight(nn.Module):
+    """A convolution whose weight is the caller's tensor: nothing to reorder once."""
+
+    def forward(self, x, weight):
+        return F.conv2d(x.contiguous(memory_format=torch.channels_last), weight, padding=1)
+
+
+def test_a_weight_from_an_input_is_refused():
+    """The weight is a graph input, not a parameter: it cannot be reordered once, so the pass refuses."""
+    model = InputWeight().eval()
+    inputs = (IMAGES[0], torch.randn(4, 3, 3, 3))
+    optimized = fxopt.optimize(model, inputs, mode="inference", passes=["prepack_conv_weights"])
+    assert optimized.fxopt_report["prepack_conv_weights"].stats == {"refused_weight_not_constant": 1}
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=0, atol=0)
+
+
+class SamePadding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding="same")
+
+    def forward(self, x):
+        return self.conv(x.contiguous(memory_format=torch.channels_last))
+
+
+def test_string_padding_is_refused():
+    """padding='same' is a string the oneDNN op does not take: the convolution is left as it is."""
+    model = SamePadding().eval()
+    optimized = fxopt.optimize(model, IMAGES, mode="inference", passes=["prepack_conv_weights"])
+    assert optimized.fxopt_report["prepack_conv_weights"].stats == {"refused_unsupported_conv": 1}
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*IMAGES), model(*IMAGES), rtol=0, atol=0)
+
+
+def test_under_torch_compile_it_is_skipped():
+    """Through AOTAutograd (Inductor's freezing packs weights itself) the pass does nothing and says why."""
+    reports = []
+    model = _model()
+    compiled = torch.compile(copy.deepcopy(model), backend="fxopt",
+                             options={"inner": "aot_eager", "report": reports.append})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*IMAGES), model(*IMAGES), **TOLERANCE)
+    assert "Inductor's freezing packs the weights itself" in reports[0]["prepack_conv_weights"].skipped
