@@ -81,3 +81,24 @@ def _copy_module(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
     memo[id(module)] = clone
     clone.__dict__.update({key: _copy_value(key, value, memo) for key, value in module.__dict__.items()})
     return clone
+
+
+def constants_as_attributes(gm: fx.GraphModule, positions: list[int], example_inputs: list) -> fx.GraphModule:
+    """A copy of `gm` whose placeholders at `positions` are get_attr of the (shared, not copied) tensors."""
+    frozen = graph_module_copy(gm)
+    placeholders = [n for n in frozen.graph.nodes if n.op == "placeholder"]
+    first_op = next(n for n in frozen.graph.nodes if n.op != "placeholder")
+    for k, i in enumerate(positions):
+        node, value = placeholders[i], example_inputs[i]
+        attr = f"_fxopt_constant_{k}"
+        if isinstance(value, torch.nn.Parameter):
+            frozen.register_parameter(attr, value)
+        else:
+            frozen.register_buffer(attr, value)
+        with frozen.graph.inserting_before(first_op):
+            get = frozen.graph.get_attr(attr)
+        get.meta.update(node.meta)
+        node.replace_all_uses_with(get)
+        frozen.graph.erase_node(node)
+    frozen.recompile()
+    return frozen

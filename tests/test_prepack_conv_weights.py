@@ -69,8 +69,10 @@ def _assert_like_eager(model: nn.Module, optimized: nn.Module, inputs) -> None:
         torch.testing.assert_close(value, buffers[name], rtol=0, atol=0)
 
 
-def _onednn_convolutions(optimized: nn.Module) -> int:
-    return sum(n.target is onednn_conv2d for n in optimized.graph_module.graph.nodes)
+def _onednn_convolutions(optimized) -> int:
+    """oneDNN convolutions in an optimized model's graph, or in a GraphModule."""
+    graph = optimized.graph if isinstance(optimized, torch.fx.GraphModule) else optimized.graph_module.graph
+    return sum(n.target is onednn_conv2d for n in graph.nodes)
 
 
 def test_every_channels_last_convolution_is_prepacked_and_computes_eagers_values():
@@ -224,3 +226,23 @@ def test_under_torch_compile_it_is_skipped():
     with torch.no_grad():
         torch.testing.assert_close(compiled(*IMAGES), model(*IMAGES), **TOLERANCE)
     assert "Inductor's freezing packs the weights itself" in reports[0]["prepack_conv_weights"].skipped
+
+
+def test_channels_last_times_its_rewrite_as_prepacked_and_frozen(monkeypatch):
+    """With prepack_conv_weights after it, channels_last times the converted graph with its convolutions prepacked
+    and both graphs frozen (only channels-last convolutions skip oneDNN's weight reorder); without it, the graphs
+    as they are."""
+    import fxopt.passes.channels_last as channels_last
+
+    timed = []
+
+    def record(graphs, frozen=frozenset()):
+        timed.append((graphs, frozen))
+        return [2.0, 1.0]
+    monkeypatch.setattr(channels_last, "graph_seconds", record)
+    for passes, prepacked in ((["channels_last", "prepack_conv_weights"], True), (["channels_last"], False)):
+        timed.clear()
+        fxopt.optimize(copy.deepcopy(_model()), IMAGES, mode="inference", passes=passes)
+        (original, converted), frozen = timed[0]
+        assert bool(frozen) == prepacked
+        assert _onednn_convolutions(converted) == (3 if prepacked else 0) and _onednn_convolutions(original) == 0

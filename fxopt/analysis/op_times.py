@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.fx as fx
 
+from .. import _torch_private
+from ..model_copy import constants_as_attributes
 from ..node_runner import NodeRunner
 from ..state_preservation import preserved_state
 from .costs import placeholder_values
@@ -99,22 +101,34 @@ def node_seconds(gm: fx.GraphModule, also: AlsoTimed | None = None) -> dict[str,
 GRAPH_ROUNDS, GRAPH_SECONDS = 5, 1.0  # graph_seconds: at most this many rounds, none begun after this many seconds
 
 
-def graph_seconds(graphs: list[fx.GraphModule]) -> list[float] | None:
+def _frozen(gm: fx.GraphModule, inputs: list, frozen: frozenset[str]) -> tuple[Callable, list]:
+    """`gm` as the eager path's freezing runs it: the placeholders named in `frozen` made attributes holding their
+    `inputs`, what depends on them alone computed once; and the inputs left to give it."""
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    positions = [i for i, name in enumerate(names) if name in frozen]
+    attributes = constants_as_attributes(gm, positions, inputs)
+    runtime = [x for name, x in zip(names, inputs) if name not in frozen]
+    return _torch_private.fold_constant_subgraphs(attributes) or attributes, runtime
+
+
+def graph_seconds(graphs: list[fx.GraphModule], frozen: frozenset[str] = frozenset()) -> list[float] | None:
     """The fastest forward of each graph (same placeholders, as a rewrite leaves them) under `torch.no_grad()` on
     the same real inputs, the graphs taking turns: at least two rounds (the first pays one-time costs, such as
     oneDNN's kernels for a new layout; the fastest drops it), at most GRAPH_ROUNDS, none begun after GRAPH_SECONDS.
-    None where the graphs cannot run on such inputs."""
+    `frozen`: placeholders (parameters) whose subgraphs each graph computes once before its timed runs, as the eager
+    path's freezing will. None where the graphs cannot run on such inputs."""
     clock = step_clock()
     try:
         with preserved_state(graphs[0], parameters=False), torch.no_grad():
             inputs = [real_like(v) for v in placeholder_values(graphs[0])]
+            runs = [_frozen(gm, inputs, frozen) if frozen else (gm, inputs) for gm in graphs]
             best, start = [float("inf")] * len(graphs), time.perf_counter()
             for r in range(GRAPH_ROUNDS):
                 if r >= 2 and time.perf_counter() - start > GRAPH_SECONDS:
                     break
-                for k, gm in enumerate(graphs):
+                for k, (run, args) in enumerate(runs):
                     began = clock()
-                    gm(*inputs)
+                    run(*args)
                     synchronize()
                     best[k] = min(best[k], clock() - began)
     except Exception:  # noqa: BLE001 - data-dependent code or inputs zeros cannot stand for: no timing

@@ -69,7 +69,7 @@ from ..checkpointing.budget import KeptBytes
 from ..capture import NotTraceable, aten_graph
 from ..errors import FxoptError
 from ..host_rng import forked_rng
-from ..model_copy import graph_module_copy
+from ..model_copy import constants_as_attributes, graph_module_copy
 from ..output_selection import OutputPlaces, chosen_outputs, parse_differentiable_outputs
 from ..passes import PASSES
 from ..passes.base import INFERENCE, TRAINING, PassContext
@@ -480,7 +480,7 @@ class FrozenInference:
         self.statistics_values = _values(self.statistics) if self.statistics else None
         self.unfrozen_graph = graph_module_copy(gm)
         self.eager_graph = gm if inner == "eager" else None  # what `graph_module` shows: the optimized graph
-        frozen_gm = _constants_as_attributes(gm, self.constant_positions, example_inputs)
+        frozen_gm = constants_as_attributes(gm, self.constant_positions, example_inputs)
         runtime_inputs = [example_inputs[i] for i in self.runtime_positions]
         self.unfrozen = None
         with torch.no_grad():
@@ -539,24 +539,3 @@ def _picker(positions: list[int]) -> Callable[[list], list]:
         return lambda items: []
     take = operator.itemgetter(*positions)
     return (lambda items: [take(items)]) if len(positions) == 1 else (lambda items: list(take(items)))
-
-
-def _constants_as_attributes(gm: fx.GraphModule, positions: list[int], example_inputs: list) -> fx.GraphModule:
-    """A copy of `gm` whose placeholders at `positions` are get_attr of the (shared, not copied) tensors."""
-    frozen = graph_module_copy(gm)
-    placeholders = [n for n in frozen.graph.nodes if n.op == "placeholder"]
-    first_op = next(n for n in frozen.graph.nodes if n.op != "placeholder")
-    for k, i in enumerate(positions):
-        node, value = placeholders[i], example_inputs[i]
-        attr = f"_fxopt_constant_{k}"
-        if isinstance(value, torch.nn.Parameter):
-            frozen.register_parameter(attr, value)
-        else:
-            frozen.register_buffer(attr, value)
-        with frozen.graph.inserting_before(first_op):
-            get = frozen.graph.get_attr(attr)
-        get.meta.update(node.meta)
-        node.replace_all_uses_with(get)
-        frozen.graph.erase_node(node)
-    frozen.recompile()
-    return frozen

@@ -84,6 +84,8 @@ class PassContext:
     captured: fx.GraphModule | None = None  # that graph as captured, before any pass (passes that read it)
     output_places: OutputPlaces | None = None  # where the model's outputs are among a Dynamo graph's outputs
     step_held: KeptBytes = KeptBytes()  # kept for backward by the graphs before this one in its step (graph breaks)
+    later_passes: tuple[str, ...] = ()  # the passes that run on this graph after this one (a timing pass times the
+    # graph as they will leave it)
 
 
 class Pass:

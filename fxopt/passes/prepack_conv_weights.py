@@ -120,16 +120,25 @@ class PrepackConvWeights(Pass):
         if ctx.aot_autograd_next:
             result.skipped = "under torch.compile Inductor's freezing packs the weights itself"
             return result
-        for conv in [n for n in gm.graph.nodes if n.op == "call_function" and op_name(n) in _CONVOLUTIONS]:
-            arguments = call_arguments(conv)
-            if arguments is None:
-                continue
-            reason = _refusal(conv, arguments, ctx.constant_inputs)
-            if reason:
-                result.record("refused", conv, reason, f"{site_name(conv)}: {_DETAILS[reason]}")
-                continue
-            result.record("prepacked", conv, detail=f"{site_name(conv)}: weight reordered for oneDNN, once frozen")
-            _prepack(gm.graph, conv, arguments)
-        if result.changed:
-            gm.recompile()
+        prepack_convolutions(gm, ctx.constant_inputs, result)
         return result
+
+
+def prepack_convolutions(gm: fx.GraphModule, constant_inputs: frozenset[str],
+                         result: PassResult | None = None) -> fx.GraphModule:
+    """The rewrite (module docstring) on `gm`, each site recorded in `result`; `gm`, recompiled if it changed.
+    `channels_last` also calls it, on a copy, to time the graph as this pass will leave it."""
+    result = result if result is not None else PassResult()
+    for conv in [n for n in gm.graph.nodes if n.op == "call_function" and op_name(n) in _CONVOLUTIONS]:
+        arguments = call_arguments(conv)
+        if arguments is None:
+            continue
+        reason = _refusal(conv, arguments, constant_inputs)
+        if reason:
+            result.record("refused", conv, reason, f"{site_name(conv)}: {_DETAILS[reason]}")
+            continue
+        result.record("prepacked", conv, detail=f"{site_name(conv)}: weight reordered for oneDNN, once frozen")
+        _prepack(gm.graph, conv, arguments)
+    if result.changed:
+        gm.recompile()
+    return gm

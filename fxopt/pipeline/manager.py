@@ -50,7 +50,9 @@ class PassManager:
             code_before = {path: gm.code for path, gm in by_path.items()}
             for g in graphs:
                 self._run_one(p, g, dataclasses.replace(ctx, graph_path=g.path, captured=captured.get(g.path),
-                                                                  constant_inputs=ctx.constant_inputs | g.constant_inputs), entry,
+                                                                  constant_inputs=ctx.constant_inputs | g.constant_inputs,
+                                                                  later_passes=tuple(q.name for q in self.passes[index:])),
+                              entry,
                               done=[q.name for q in self.passes[:index - 1]], qualify=len(graphs) > 1)
             report.passes.append(entry)
             for instrument in self.instruments:  # before verifying, so a failing stage is still shown
