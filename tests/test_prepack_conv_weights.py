@@ -77,12 +77,39 @@ def _onednn_convolutions(optimized) -> int:
 
 def test_every_channels_last_convolution_is_prepacked_and_computes_eagers_values():
     """All three convolutions (the folded one, a depthwise and a strided 1x1) run oneDNN's convolution on a
-    reordered weight; outputs and their strides equal eager's, and no buffer changes."""
+    reordered weight, the first with its ReLU inside; outputs and their strides equal eager's, and no buffer
+    changes."""
     model = _model()
     optimized = _optimized(model)
     report = optimized.fxopt_report["prepack_conv_weights"]
-    assert report.stats == {"prepacked": 3} and _onednn_convolutions(optimized) == 3
+    assert report.stats == {"prepacked": 3, "fused": 1} and _onednn_convolutions(optimized) == 3
+    assert not any(n.target is torch.ops.aten.relu_.default for n in optimized.graph_module.graph.nodes)
     _assert_like_eager(model, optimized, IMAGES)
+
+
+class Activations(nn.Module):
+    """ReLU6 (hardtanh between 0 and 6) and hardtanh(-1, 1) after convolutions, each the output's one reader; a
+    ReLU whose input is also read by the add after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(c, 8, 3, padding=1) for c in (3, 8, 8))
+
+    def forward(self, x):
+        x = F.relu6(self.convs[0](x.contiguous(memory_format=torch.channels_last)), inplace=True)
+        x = F.hardtanh(self.convs[1](x), -1.0, 1.0)
+        y = self.convs[2](x)
+        return F.relu(y) + y
+
+
+def test_relu6_and_hardtanh_run_inside_the_convolution_where_nothing_else_reads_it():
+    """ReLU6 and hardtanh with their bounds are fused into the convolution before them; a ReLU whose input the add
+    also reads is not (the add must see the values before it): outputs equal eager's."""
+    torch.manual_seed(0)
+    model = Activations().eval()
+    optimized = fxopt.optimize(copy.deepcopy(model), IMAGES, mode="inference", passes=["prepack_conv_weights"])
+    assert optimized.fxopt_report["prepack_conv_weights"].stats == {"prepacked": 3, "fused": 2}
+    _assert_like_eager(model, optimized, (IMAGES[0] * 4,))
 
 
 def _counting_reorders(monkeypatch) -> list:

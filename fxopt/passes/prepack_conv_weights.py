@@ -6,8 +6,11 @@ What it rewrites::
         ->  w_packed = prepacked_conv_weight(w, padding, stride, dilation, groups, x.shape)
             y = onednn_conv2d(x, w_packed, b, padding, stride, dilation, groups)
 
-(fxopt graph helpers around `mkldnn._reorder_convolution_weight` and `mkldnn._convolution_pointwise`
-with no fused op, declared so that fxopt's analyses know they write nothing and alias nothing)
+    y = aten.conv2d(x, w, ...);  z = aten.relu_(y)      ->  z = onednn_conv2d(x, w_packed, ..., "relu")
+    (relu6 and hardtanh likewise: oneDNN's "hardtanh" with their bounds)
+
+(fxopt graph helpers around `mkldnn._reorder_convolution_weight` and `mkldnn._convolution_pointwise`,
+declared so that fxopt's analyses know they write nothing and alias nothing)
 
 for 2-D convolutions (`aten.conv2d`, or `aten.convolution` not transposed) on the CPU in float32 whose
 weight and bias are computed from the model's parameters and buffers alone (the weights as they
@@ -22,7 +25,9 @@ parameter changes after freezing, the unfrozen graph reorders on every call, as 
 
 Why it is safe: `_convolution_pointwise` with no fused op is the oneDNN convolution ATen's CPU
 convolution calls for float32; only the weight's memory layout changes, and the values are the
-same up to oneDNN's choice of kernel. Its output is channels-last, which is what ATen's gives for
+same up to oneDNN's choice of kernel. An activation is fused only where it is the convolution
+output's one reader: oneDNN applies the same elementwise function to each result as it is
+written, and nothing else could have seen the value before it. Its output is channels-last, which is what ATen's gives for
 a channels-last input, so every later op sees eager's strides (checked on the fake values). The
 rewrite is for inference graphs only: the oneDNN op has no derivative.
 
@@ -60,10 +65,36 @@ def prepacked_conv_weight(weight, padding: list[int], stride: list[int], dilatio
 
 
 @graph_function
-def onednn_conv2d(x, packed_weight, bias, padding: list[int], stride: list[int], dilation: list[int], groups: int):
-    """oneDNN's convolution of `x` with a weight from `prepacked_conv_weight`, no op fused into it."""
+def onednn_conv2d(x, packed_weight, bias, padding: list[int], stride: list[int], dilation: list[int], groups: int,
+                  activation: str = "none", bounds: tuple[float, ...] = ()):
+    """oneDNN's convolution of `x` with a weight from `prepacked_conv_weight`, and the `activation` oneDNN applies
+    to its results ("none", "relu", or "hardtanh" between `bounds`)."""
     _, convolve = _torch_private.onednn_convolution_ops()
-    return convolve(x, packed_weight, bias, padding, stride, dilation, groups, "none", [], "")
+    return convolve(x, packed_weight, bias, padding, stride, dilation, groups, activation, list(bounds), "")
+
+
+# Activations oneDNN runs inside its convolution, by ATen's name: oneDNN's name for each, and its bounds (None: the
+# op's own `min_val` and `max_val`)
+_FUSABLE = {**dict.fromkeys(("relu", "relu_"), ("relu", ())),
+            **dict.fromkeys(("relu6", "relu6_"), ("hardtanh", (0.0, 6.0))),
+            **dict.fromkeys(("hardtanh", "hardtanh_"), ("hardtanh", None))}
+
+
+def _fusable_activation(conv: fx.Node) -> tuple[fx.Node, str, tuple[float, ...]] | None:
+    """The activation that alone reads `conv`'s output, with oneDNN's name for it and its bounds; None if none."""
+    if len(conv.users) != 1:
+        return None
+    activation = next(iter(conv.users))
+    name = op_name(activation) if activation.op == "call_function" else None
+    arguments = call_arguments(activation) if name in _FUSABLE else None
+    if arguments is None or arguments.get("input", arguments.get("self")) is not conv:
+        return None
+    post_op, bounds = _FUSABLE[name]
+    if bounds is None:
+        bounds = (arguments.get("min_val"), arguments.get("max_val"))
+        if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds):
+            return None  # computed in the graph
+    return activation, post_op, tuple(float(b) for b in bounds)
 
 
 def _pair(value) -> list[int]:
@@ -94,17 +125,23 @@ _DETAILS = {
 }
 
 
-def _prepack(graph: fx.Graph, conv: fx.Node, arguments: dict) -> fx.Node:
+def _prepack(graph: fx.Graph, conv: fx.Node, arguments: dict, fused: tuple | None) -> fx.Node:
+    """`conv` replaced by oneDNN's convolution on its reordered weight, with the activation `fused` (from
+    `_fusable_activation`) run inside it and taken out of the graph."""
     x = arguments["input"]
     stride, padding, dilation = (_pair(arguments[k]) for k in ("stride", "padding", "dilation"))
     sizes = [int(s) if isinstance(s, int) else None for s in tensor_meta(x).shape]
+    activation, post_op = (fused[0], fused[1:]) if fused else (None, ())
     with graph.inserting_before(conv):
         weight = graph.call_function(prepacked_conv_weight, (arguments["weight"], padding, stride, dilation,
                                                              arguments["groups"], None if None in sizes else sizes))
         packed = graph.call_function(onednn_conv2d, (x, weight, arguments.get("bias"), padding, stride, dilation,
-                                                     arguments["groups"]))
+                                                     arguments["groups"], *post_op))
     weight.meta["val"] = tensor_meta(arguments["weight"])  # its shape; the values take oneDNN's layout at run time
     packed.meta.update(conv.meta)
+    if activation is not None:
+        activation.replace_all_uses_with(packed)
+        graph.erase_node(activation)
     conv.replace_all_uses_with(packed)
     graph.erase_node(conv)
     return packed
@@ -138,7 +175,11 @@ def prepack_convolutions(gm: fx.GraphModule, constant_inputs: frozenset[str],
             result.record("refused", conv, reason, f"{site_name(conv)}: {_DETAILS[reason]}")
             continue
         result.record("prepacked", conv, detail=f"{site_name(conv)}: weight reordered for oneDNN, once frozen")
-        _prepack(gm.graph, conv, arguments)
+        fused = _fusable_activation(conv)
+        if fused is not None:
+            result.record("fused", fused[0], detail=f"{site_name(fused[0])}: {op_name(fused[0])} runs inside "
+                                                    f"{site_name(conv)}'s oneDNN convolution")
+        _prepack(gm.graph, conv, arguments, fused)
     if result.changed:
         gm.recompile()
     return gm
