@@ -226,22 +226,29 @@ def test_a_weight_from_an_input_is_refused():
         torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=0, atol=0)
 
 
-class SamePadding(nn.Module):
+class StringPaddings(nn.Module):
+    """padding='valid', 'same' with an odd kernel (one width on both sides) and 'same' with an even one (one more on
+    the right and bottom than on the left and top)."""
+
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding="same")
+        self.valid = nn.Conv2d(3, 4, 1, padding="valid")
+        self.same_odd = nn.Conv2d(4, 4, 3, padding="same", dilation=2)
+        self.same_even = nn.Conv2d(4, 4, 4, padding="same")
 
     def forward(self, x):
-        return self.conv(x.contiguous(memory_format=torch.channels_last))
+        return self.same_even(self.same_odd(self.valid(x.contiguous(memory_format=torch.channels_last))))
 
 
-def test_string_padding_is_refused():
-    """padding='same' is a string the oneDNN op does not take: the convolution is left as it is."""
-    model = SamePadding().eval()
-    optimized = fxopt.optimize(model, IMAGES, mode="inference", passes=["prepack_conv_weights"])
-    assert optimized.fxopt_report["prepack_conv_weights"].stats == {"refused_unsupported_conv": 1}
-    with torch.no_grad():
-        torch.testing.assert_close(optimized(*IMAGES), model(*IMAGES), rtol=0, atol=0)
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # eager's own, on the even kernel
+def test_string_paddings_are_made_explicit_where_one_width_serves_both_sides():
+    """'valid' and an odd 'same' become explicit widths oneDNN takes; an even 'same', which pads one side more, is
+    left to ATen: outputs equal eager's."""
+    torch.manual_seed(0)
+    model = StringPaddings().eval()
+    optimized = fxopt.optimize(copy.deepcopy(model), IMAGES, mode="inference", passes=["prepack_conv_weights"])
+    assert optimized.fxopt_report["prepack_conv_weights"].stats == {"prepacked": 2, "refused_unsupported_conv": 1}
+    _assert_like_eager(model, optimized, IMAGES)
 
 
 def test_under_torch_compile_it_is_skipped():

@@ -37,7 +37,8 @@ When it refuses (reason in the report):
   weight_not_constant the weight or bias is computed from a graph input that is not a parameter
                       or buffer (or drawn at random): it cannot be reordered once
   not_float32_cpu     the input is not a float32 CPU tensor, or this torch has no oneDNN
-  unsupported_conv    a transposed or not 2-D convolution, or padding given as a string ('same')
+  unsupported_conv    a transposed or not 2-D convolution, or padding='same' that is not the same on
+                      both sides (an even dilated kernel)
 Under torch.compile it does not run: Inductor's freezing packs the weights itself.
 """
 from __future__ import annotations
@@ -101,11 +102,23 @@ def _pair(value) -> list[int]:
     return [value] * 2 if isinstance(value, int) else list(value)
 
 
+def _explicit_padding(arguments: dict) -> list[int] | None:
+    """The convolution's padding as two widths: 'valid' is none, 'same' (stride 1) half the dilated kernel where that
+    is even on both sides; None for a 'same' oneDNN's symmetric padding cannot give."""
+    padding, weight = arguments["padding"], tensor_meta(arguments["weight"])
+    if padding == "valid":
+        return [0, 0]
+    if padding != "same":
+        return _pair(padding)
+    spans = [d * (k - 1) for d, k in zip(_pair(arguments["dilation"]), weight.shape[2:])]
+    return [span // 2 for span in spans] if all(span % 2 == 0 for span in spans) else None
+
+
 def _refusal(conv: fx.Node, arguments: dict, constant_inputs: frozenset[str]) -> str:
     x = tensor_meta(arguments["input"])
     if x is None or x.device.type != "cpu" or x.dtype != torch.float32 or _torch_private.onednn_convolution_ops() is None:
         return "not_float32_cpu"
-    if x.dim() != 4 or arguments.get("transposed", False) or isinstance(arguments["padding"], str):
+    if x.dim() != 4 or arguments.get("transposed", False) or _explicit_padding(arguments) is None:
         return "unsupported_conv"
     if not all(computed_from_state(arguments[name], constant_inputs) for name in ("weight", "bias")
                if arguments.get(name) is not None):
@@ -121,7 +134,7 @@ _DETAILS = {
     "not_channels_last": "its input is not channels-last: oneDNN's convolution would return other strides than ATen's",
     "weight_not_constant": "its weight or bias is not computed from parameters and buffers alone",
     "not_float32_cpu": "its input is not a float32 CPU tensor, or this torch has no oneDNN",
-    "unsupported_conv": "a transposed or not 2-D convolution, or padding given as a string",
+    "unsupported_conv": "a transposed or not 2-D convolution, or padding='same' wider on one side",
 }
 
 
@@ -129,7 +142,7 @@ def _prepack(graph: fx.Graph, conv: fx.Node, arguments: dict, fused: tuple | Non
     """`conv` replaced by oneDNN's convolution on its reordered weight, with the activation `fused` (from
     `_fusable_activation`) run inside it and taken out of the graph."""
     x = arguments["input"]
-    stride, padding, dilation = (_pair(arguments[k]) for k in ("stride", "padding", "dilation"))
+    stride, dilation, padding = _pair(arguments["stride"]), _pair(arguments["dilation"]), _explicit_padding(arguments)
     sizes = [int(s) if isinstance(s, int) else None for s in tensor_meta(x).shape]
     activation, post_op = (fused[0], fused[1:]) if fused else (None, ())
     with graph.inserting_before(conv):
