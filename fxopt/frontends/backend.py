@@ -453,7 +453,8 @@ class FrozenInference:
 
     Lowered by `inner`: "inductor" compiles it with Inductor's freezing (the fold constant-folded, weights
     pre-packed); "eager" runs it as is, its constant subgraphs (a fold's scaled weights, transposed
-    weights) computed once by torch.fx's `split_const_subgraphs`, random and in-place ops never folded.
+    weights, prepack_conv_weights' reordered ones) computed once by torch.fx's `split_const_subgraphs`,
+    random and in-place ops never folded.
     Each call checks that every parameter input is the tensor seen at compile time, with the same
     storage (`p.data = t` swaps it without touching the version) at the same `_version` (bumped by
     every in-place change: optimizer steps, `copy_`, `load_state_dict`), and that BatchNorm running

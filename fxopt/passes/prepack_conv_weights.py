@@ -20,16 +20,17 @@ Why it pays: ATen's CPU convolution runs oneDNN, which first copies the weight i
 layout on every call. Reordered in the graph, that copy depends on the parameters alone, so the
 eager path's freezing (fxopt.frontends.backend.FrozenInference) makes it once; the graph then
 runs the oneDNN convolution directly, as Inductor's freezing and `torch.jit.optimize_for_inference`
-do. On ResNet-50 and MobileNetV2 (batch 4, two threads) that is 10-15% of the forward. Where a
-parameter changes after freezing, the unfrozen graph reorders on every call, as ATen does inside.
+do (ResNet-50 at batch 4, two threads: 1.14x eager's speed before, 1.31-1.42x after; figures in
+docs/benchmarks.md). Where a parameter changes after freezing, the unfrozen graph reorders on
+every call, as ATen does inside.
 
 Why it is safe: `_convolution_pointwise` with no fused op is the oneDNN convolution ATen's CPU
 convolution calls for float32; only the weight's memory layout changes, and the values are the
-same up to oneDNN's choice of kernel. An activation is fused only where it is the convolution
-output's one reader: oneDNN applies the same elementwise function to each result as it is
-written, and nothing else could have seen the value before it. Its output is channels-last, which is what ATen's gives for
-a channels-last input, so every later op sees eager's strides (checked on the fake values). The
-rewrite is for inference graphs only: the oneDNN op has no derivative.
+same up to oneDNN's choice of kernel. Its output is channels-last, as ATen's is for a
+channels-last input, so every later op sees eager's strides (checked on the fake values). An
+activation is fused only where it is the convolution output's one reader: oneDNN applies the same
+elementwise function to each result as it writes it, and nothing else could have seen the value
+before it. The rewrite is for inference graphs only: the oneDNN op has no derivative.
 
 When it refuses (reason in the report):
   not_channels_last   the input is not channels-last: the oneDNN op would return channels-last
@@ -110,6 +111,8 @@ def _explicit_padding(arguments: dict) -> list[int] | None:
         return [0, 0]
     if padding != "same":
         return _pair(padding)
+    if weight is None:
+        return None
     spans = [d * (k - 1) for d, k in zip(_pair(arguments["dilation"]), weight.shape[2:])]
     return [span // 2 for span in spans] if all(span % 2 == 0 for span in spans) else None
 
