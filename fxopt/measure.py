@@ -58,9 +58,8 @@ class _LiveStorageMode(dispatch_mode_base()):
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
-            storage = t.untyped_storage()
+            storage, nbytes = _memory_of(t)
             key = id(storage)
-            nbytes = storage.nbytes()
             if key in self.live_serials or key in self.preexisting or nbytes == 0:
                 continue
             serial = len(self.events)
@@ -68,6 +67,16 @@ class _LiveStorageMode(dispatch_mode_base()):
             self.refs[serial] = weakref.ref(storage, lambda r, k=key, s=serial, n=nbytes: self._freed(k, s, n, r))
             self.events.append((nbytes, serial))
         return out
+
+
+def _memory_of(t: torch.Tensor) -> tuple[object, int]:
+    """What holds a tensor's memory and its bytes: its storage; for a tensor with none to show (oneDNN's opaque
+    layout, a prepacked weight), the tensor itself and its elements' bytes."""
+    try:
+        storage = t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return t, t.numel() * t.element_size()
+    return storage, storage.nbytes()
 
 
 def _storage_ids(tensors) -> set[int]:

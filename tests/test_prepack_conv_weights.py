@@ -168,8 +168,8 @@ def test_a_parameter_changed_after_optimizing_is_followed():
 
 
 def test_in_the_default_pipeline_it_runs_last_and_not_in_training():
-    """The default inference pipeline ends with it (its oneDNN ops have no fake-tensor kernel for a later pass);
-    the training pipeline has none of it; naming it for training is a clear error."""
+    """The default inference pipeline ends with it (the passes before it see ATen's convolutions); the training
+    pipeline has none of it; naming it for training is a clear error."""
     assert DEFAULT_PIPELINES["inference"][-1] == "prepack_conv_weights"
     assert "prepack_conv_weights" not in DEFAULT_PIPELINES["training"]
     with pytest.raises(FxoptError, match="does not run in training mode"):
@@ -262,6 +262,24 @@ def test_under_torch_compile_it_is_skipped():
     assert "Inductor's freezing packs the weights itself" in reports[0]["prepack_conv_weights"].skipped
 
 
+def test_measuring_and_estimating_a_prepacked_graph():
+    """fxopt.measure's storage count takes the oneDNN weights an unfrozen graph reorders in the call (opaque: no
+    storage to show), and the FLOP estimate runs the helpers on fake tensors as ATen's convolution: the same FLOPs
+    as the graph before the pass."""
+    from fxopt.analysis.costs import estimate_costs, placeholder_values
+    from fxopt.measure import measure_peak
+
+    model = _model()
+    unpacked = _optimized(model, passes=PASSES[:-1])
+    optimized = _optimized(model)
+    with torch.no_grad(), pytest.warns(UserWarning, match="changed after fxopt froze it"):
+        next(optimized.parameters()).add_(0.1)  # the graph now reorders the weights in every call
+        assert measure_peak(lambda: optimized(*IMAGES), optimized, IMAGES) > 0
+    flops = [estimate_costs(m.graph_module, placeholder_values(m.graph_module), training=False).flops
+             for m in (unpacked, optimized)]
+    assert flops[0] == flops[1] > 0
+
+
 def test_channels_last_times_its_rewrite_as_prepacked_and_frozen(monkeypatch):
     """With prepack_conv_weights after it, channels_last times the converted graph with its convolutions prepacked
     and both graphs frozen (only channels-last convolutions skip oneDNN's weight reorder); without it, the graphs
@@ -280,3 +298,20 @@ def test_channels_last_times_its_rewrite_as_prepacked_and_frozen(monkeypatch):
         (original, converted), frozen = timed[0]
         assert bool(frozen) == prepacked
         assert _onednn_convolutions(converted) == (3 if prepacked else 0) and _onednn_convolutions(original) == 0
+
+
+def test_the_command_line_reports_a_prepacked_graph(tmp_path, monkeypatch, capsys):
+    """`fxopt inspect --channels-last always` on the seed example prepacks its convolution and fuses its ReLU, and the
+    page is written (its memory figures measure the prepacked graph)."""
+    import pathlib
+
+    from fxopt.frontends.cli import main
+
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    page = tmp_path / "seed.html"
+    assert main(["inspect", "examples/seed_net.py:SeedNet", "--input-shape", "2x3x32x32", "--channels-last", "always",
+                 "--html", str(page)]) == 0
+    printed = capsys.readouterr().out
+    assert "fused: 1, prepacked: 1" in printed and "MFLOP → ?" not in printed
+    assert "prepack_conv_weights" in page.read_text()

@@ -61,7 +61,10 @@ _CONVOLUTIONS = ("conv2d", "convolution")
 def prepacked_conv_weight(weight, padding: list[int], stride: list[int], dilation: list[int], groups: int,
                           input_size: list[int] | None):
     """`weight` copied into oneDNN's blocked layout for a convolution with these settings (inputs of `input_size`,
-    where known, pick the layout; any input size runs on it)."""
+    where known, pick the layout; any input size runs on it). On fake tensors (shape propagation, cost estimates)
+    the weight as it is: oneDNN's layout has no fake form."""
+    if _torch_private.is_fake(weight):
+        return weight
     reorder, _ = _torch_private.onednn_convolution_ops()
     return reorder(weight, padding, stride, dilation, groups, input_size)
 
@@ -70,7 +73,13 @@ def prepacked_conv_weight(weight, padding: list[int], stride: list[int], dilatio
 def onednn_conv2d(x, packed_weight, bias, padding: list[int], stride: list[int], dilation: list[int], groups: int,
                   activation: str = "none", bounds: tuple[float, ...] = ()):
     """oneDNN's convolution of `x` with a weight from `prepacked_conv_weight`, and the `activation` oneDNN applies
-    to its results ("none", "relu", or "hardtanh" between `bounds`)."""
+    to its results ("none", "relu", or "hardtanh" between `bounds`). On fake tensors, ATen's convolution and
+    activation: the same shapes and strides, and FLOPs that FlopCounterMode counts."""
+    if _torch_private.is_fake(x):
+        y = torch.ops.aten.convolution.default(x, packed_weight, bias, stride, padding, dilation, False, [0, 0], groups)
+        if activation == "relu":
+            return y.relu()
+        return y.clamp(*bounds) if activation == "hardtanh" else y
     _, convolve = _torch_private.onednn_convolution_ops()
     return convolve(x, packed_weight, bias, padding, stride, dilation, groups, activation, list(bounds), "")
 

@@ -8,7 +8,8 @@ from ..passes import PASSES
 from ..passes.base import MODES, Pass
 
 DEFAULT_PIPELINES: dict[str, tuple[str, ...]] = {
-    # prepack_conv_weights last: the oneDNN ops it writes have no fake-tensor kernel for a pass after it to rerun.
+    # prepack_conv_weights last: every pass before it sees ATen's convolutions (fold_conv_bn, channels_last), which it
+    # then replaces by oneDNN's, with the activations after them.
     "inference": ("fold_conv_bn", "prune_dead_grads", "drop_zero_pads", "drop_eval_dropout", "channels_last",
                   "inplace_relu", "prepack_conv_weights"),
     # checkpoint_activations before inplace_relu: an in-place ReLU is a write the planner must keep out of
