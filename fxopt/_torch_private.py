@@ -21,10 +21,16 @@ def fake_tensor_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def is_fake(t) -> bool:
+@functools.cache
+def _fake_tensor_type() -> type:
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(t, FakeTensor)
+    return FakeTensor
+
+
+def is_fake(t) -> bool:
+    """Whether `t` is a FakeTensor (asked on every call of prepack_conv_weights' helpers: the import is made once)."""
+    return isinstance(t, _fake_tensor_type())
 
 
 def detect_fake_mode(inputs):

@@ -48,7 +48,7 @@ from ..analysis.side_effects import MUTATION, effects
 from ..model_copy import graph_module_copy, graph_snapshot
 from ..op_names import op_name
 from .base import INFERENCE, Pass, PassContext, PassResult
-from .prepack_conv_weights import prepack_convolutions
+from .prepack_conv_weights import PrepackConvWeights, prepack_convolutions
 
 # Non-pointwise ops whose values do not depend on their inputs' strides, and which pass NHWC on.
 LAYOUT_FREE_OPS = frozenset({
@@ -224,7 +224,7 @@ def _seconds_as_they_will_run(original: fx.GraphModule, converted: fx.GraphModul
     """Both graphs timed as they will run: where `prepack_conv_weights` follows (on the eager path), the converted
     graph's channels-last convolutions prepacked, and both frozen, their weights' reorders and folds made once. The
     original, whose convolutions read NCHW, pays oneDNN's weight reorder inside each one, as ATen does."""
-    if "prepack_conv_weights" not in ctx.later_passes:
+    if PrepackConvWeights.name not in ctx.later_passes:
         return graph_seconds([original, converted])
     prepacked = prepack_convolutions(graph_module_copy(converted), ctx.constant_inputs)
     return graph_seconds([original, prepacked], frozen=ctx.constant_inputs)

@@ -48,14 +48,12 @@ import torch
 import torch.fx as fx
 
 from .. import _torch_private
-from ..analysis.ops import computed_from_state
+from ..analysis.activations import match_activation
+from ..analysis.ops import ConvCall, computed_from_state, match_conv
 from ..analysis.shapes import tensor_meta
 from ..graph_functions import graph_function
-from ..op_names import call_arguments, op_name
+from ..op_names import op_name
 from .base import INFERENCE, Pass, PassContext, PassResult, site_name
-
-_CONVOLUTIONS = ("conv2d", "convolution")
-
 
 @graph_function
 def prepacked_conv_weight(weight, padding: list[int], stride: list[int], dilation: list[int], groups: int,
@@ -84,58 +82,53 @@ def onednn_conv2d(x, packed_weight, bias, padding: list[int], stride: list[int],
     return convolve(x, packed_weight, bias, padding, stride, dilation, groups, activation, list(bounds), "")
 
 
-# Activations oneDNN runs inside its convolution, by ATen's name: oneDNN's name for each, and its bounds (None: the
-# op's own `min_val` and `max_val`)
-_FUSABLE = {**dict.fromkeys(("relu", "relu_"), ("relu", ())),
-            **dict.fromkeys(("relu6", "relu6_"), ("hardtanh", (0.0, 6.0))),
-            **dict.fromkeys(("hardtanh", "hardtanh_"), ("hardtanh", None))}
+# Activations oneDNN runs inside its convolution (fxopt.analysis.activations' kinds): oneDNN's name for each, and its
+# bounds (None: the op's own `min_val` and `max_val`)
+_FUSABLE = {"relu": ("relu", ()), "relu6": ("hardtanh", (0.0, 6.0)), "hardtanh": ("hardtanh", None)}
 
 
 def _fusable_activation(conv: fx.Node) -> tuple[fx.Node, str, tuple[float, ...]] | None:
     """The activation that alone reads `conv`'s output, with oneDNN's name for it and its bounds; None if none."""
     if len(conv.users) != 1:
         return None
-    activation = next(iter(conv.users))
-    name = op_name(activation) if activation.op == "call_function" else None
-    arguments = call_arguments(activation) if name in _FUSABLE else None
-    if arguments is None or arguments.get("input", arguments.get("self")) is not conv:
+    activation = match_activation(next(iter(conv.users)))
+    if activation is None or activation.kind not in _FUSABLE or activation.input is not conv:
         return None
-    post_op, bounds = _FUSABLE[name]
+    post_op, bounds = _FUSABLE[activation.kind]
     if bounds is None:
-        bounds = (arguments.get("min_val"), arguments.get("max_val"))
+        bounds = (activation.params["min_val"], activation.params["max_val"])
         if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds):
             return None  # computed in the graph
-    return activation, post_op, tuple(float(b) for b in bounds)
+    return activation.node, post_op, tuple(float(b) for b in bounds)
 
 
 def _pair(value) -> list[int]:
     return [value] * 2 if isinstance(value, int) else list(value)
 
 
-def _explicit_padding(arguments: dict) -> list[int] | None:
+def _explicit_padding(conv: ConvCall) -> list[int] | None:
     """The convolution's padding as two widths: 'valid' is none, 'same' (stride 1) half the dilated kernel where that
     is even on both sides; None for a 'same' oneDNN's symmetric padding cannot give."""
-    padding, weight = arguments["padding"], tensor_meta(arguments["weight"])
+    padding, weight = conv.padding, tensor_meta(conv.weight)
     if padding == "valid":
         return [0, 0]
     if padding != "same":
         return _pair(padding)
     if weight is None:
         return None
-    spans = [d * (k - 1) for d, k in zip(_pair(arguments["dilation"]), weight.shape[2:])]
+    spans = [d * (k - 1) for d, k in zip(_pair(conv.dilation), weight.shape[2:])]
     return [span // 2 for span in spans] if all(span % 2 == 0 for span in spans) else None
 
 
-def _refusal(conv: fx.Node, arguments: dict, constant_inputs: frozenset[str]) -> str:
-    x = tensor_meta(arguments["input"])
+def _refusal(conv: ConvCall, constant_inputs: frozenset[str]) -> str:
+    x = tensor_meta(conv.input)
     if x is None or x.device.type != "cpu" or x.dtype != torch.float32 or _torch_private.onednn_convolution_ops() is None:
         return "not_float32_cpu"
-    if x.dim() != 4 or arguments.get("transposed", False) or _explicit_padding(arguments) is None:
+    if conv.spatial_dims != 2 or conv.transposed or _explicit_padding(conv) is None:
         return "unsupported_conv"
-    if not all(computed_from_state(arguments[name], constant_inputs) for name in ("weight", "bias")
-               if arguments.get(name) is not None):
+    if not all(computed_from_state(t, constant_inputs) for t in (conv.weight, conv.bias) if t is not None):
         return "weight_not_constant"
-    out = tensor_meta(conv)
+    out = tensor_meta(conv.node)
     if not (x.is_contiguous(memory_format=torch.channels_last) and out is not None
             and out.is_contiguous(memory_format=torch.channels_last)):
         return "not_channels_last"
@@ -150,25 +143,24 @@ _DETAILS = {
 }
 
 
-def _prepack(graph: fx.Graph, conv: fx.Node, arguments: dict, fused: tuple | None) -> fx.Node:
+def _prepack(graph: fx.Graph, conv: ConvCall, fused: tuple | None) -> fx.Node:
     """`conv` replaced by oneDNN's convolution on its reordered weight, with the activation `fused` (from
     `_fusable_activation`) run inside it and taken out of the graph."""
-    x = arguments["input"]
-    stride, dilation, padding = _pair(arguments["stride"]), _pair(arguments["dilation"]), _explicit_padding(arguments)
-    sizes = [int(s) if isinstance(s, int) else None for s in tensor_meta(x).shape]
+    stride, dilation, padding = _pair(conv.stride), _pair(conv.dilation), _explicit_padding(conv)
+    sizes = [int(s) if isinstance(s, int) else None for s in tensor_meta(conv.input).shape]
     activation, post_op = (fused[0], fused[1:]) if fused else (None, ())
-    with graph.inserting_before(conv):
-        weight = graph.call_function(prepacked_conv_weight, (arguments["weight"], padding, stride, dilation,
-                                                             arguments["groups"], None if None in sizes else sizes))
-        packed = graph.call_function(onednn_conv2d, (x, weight, arguments.get("bias"), padding, stride, dilation,
-                                                     arguments["groups"], *post_op))
-    weight.meta["val"] = tensor_meta(arguments["weight"])  # its shape; the values take oneDNN's layout at run time
-    packed.meta.update(conv.meta)
+    with graph.inserting_before(conv.node):
+        weight = graph.call_function(prepacked_conv_weight, (conv.weight, padding, stride, dilation, conv.groups,
+                                                             None if None in sizes else sizes))
+        packed = graph.call_function(onednn_conv2d, (conv.input, weight, conv.bias, padding, stride, dilation,
+                                                     conv.groups, *post_op))
+    weight.meta["val"] = tensor_meta(conv.weight)  # its shape; the values take oneDNN's layout at run time
+    packed.meta.update(conv.node.meta)
     if activation is not None:
         activation.replace_all_uses_with(packed)
         graph.erase_node(activation)
-    conv.replace_all_uses_with(packed)
-    graph.erase_node(conv)
+    conv.node.replace_all_uses_with(packed)
+    graph.erase_node(conv.node)
     return packed
 
 
@@ -191,20 +183,20 @@ def prepack_convolutions(gm: fx.GraphModule, constant_inputs: frozenset[str],
     """The rewrite (module docstring) on `gm`, each site recorded in `result`; `gm`, recompiled if it changed.
     `channels_last` also calls it, on a copy, to time the graph as this pass will leave it."""
     result = result if result is not None else PassResult()
-    for conv in [n for n in gm.graph.nodes if n.op == "call_function" and op_name(n) in _CONVOLUTIONS]:
-        arguments = call_arguments(conv)
-        if arguments is None:
+    for node in list(gm.graph.nodes):
+        conv = match_conv(node)  # matched here, not up front: a fusion before it may have replaced its input
+        if conv is None:
             continue
-        reason = _refusal(conv, arguments, constant_inputs)
+        reason = _refusal(conv, constant_inputs)
         if reason:
-            result.record("refused", conv, reason, f"{site_name(conv)}: {_DETAILS[reason]}")
+            result.record("refused", node, reason, f"{site_name(node)}: {_DETAILS[reason]}")
             continue
-        result.record("prepacked", conv, detail=f"{site_name(conv)}: weight reordered for oneDNN, once frozen")
-        fused = _fusable_activation(conv)
+        result.record("prepacked", node, detail=f"{site_name(node)}: weight reordered for oneDNN, once frozen")
+        fused = _fusable_activation(node)
         if fused is not None:
             result.record("fused", fused[0], detail=f"{site_name(fused[0])}: {op_name(fused[0])} runs inside "
-                                                    f"{site_name(conv)}'s oneDNN convolution")
-        _prepack(gm.graph, conv, arguments, fused)
+                                                    f"{site_name(node)}'s oneDNN convolution")
+        _prepack(gm.graph, conv, fused)
     if result.changed:
         gm.recompile()
     return gm
