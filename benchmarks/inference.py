@@ -6,8 +6,10 @@
     python benchmarks/inference.py --batch 4 --models resnet50 mobilenet_v2   # another batch, some models
 
 Every variant is prepared from its own deep copy of one calibrated eval-mode model and timed in
-this process, round-robin (each round calls every variant once, so load from other processes
-hits all of them alike). The table shows the median latency, the speed-up over eager, the time
+this process, round-robin (each round calls every variant once, starting one variant further
+along each round, so load from other processes hits all of them alike and none always follows the
+same neighbour). The table shows the median latency, the speed-up over eager (the median over
+rounds of eager's time over the variant's in the same round), the time
 to prepare the variant (build + first call: the cold compile time of a compiler) and the largest
 difference of its output from eager's, relative to the largest output magnitude. A variant that
 cannot handle a model is listed with the reason.
@@ -24,6 +26,7 @@ import argparse
 import copy
 import dataclasses
 import os
+import functools
 import statistics
 import sys
 import time
@@ -97,7 +100,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hf_resnet50": hf_resnet50,
     "hf_mobilenet_v2": hf_mobilenet_v2,
 }
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+CLOCKS = ("wall", "cpu")  # cpu: one torch thread, timed by its CPU time (device.time_ms)
 
 
 @dataclasses.dataclass
@@ -121,7 +124,6 @@ class Prepared:
     run: Callable
     prepare_s: float
     rel_diff: float
-    times: list[float] = dataclasses.field(default_factory=list)
 
 
 def prepare(builder: Callable, model: nn.Module, inputs: tuple, reference: torch.Tensor) -> Prepared:
@@ -147,24 +149,18 @@ def bench_model(name: str, settings: Settings) -> list[list]:
             prepared[variant] = prepare(builder, model, inputs, reference)
         except Exception as e:  # noqa: BLE001 - a variant that cannot take this model is a result too
             failed[variant] = f"{type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}"
-    clock = CLOCKS[settings.clock]
+    calls = {variant: functools.partial(p.run, *inputs) for variant, p in prepared.items()}
     with torch.inference_mode():
-        for round_ in range(settings.warmup + settings.rounds):
-            for p in prepared.values():
-                start = clock()
-                p.run(*inputs)
-                dev.synchronize(settings.device)
-                if round_ >= settings.warmup:
-                    p.times.append(clock() - start)
-    eager_ms = statistics.median(prepared["eager"].times) * 1e3
+        times = dev.round_robin_times(calls, settings.device, settings.rounds, settings.warmup)
     rows = []
     for variant in VARIANTS:
         if variant in failed:
             rows.append([name, variant, "n/a", "n/a", "n/a", failed[variant]])
             continue
         p = prepared[variant]
-        ms = statistics.median(p.times) * 1e3
-        rows.append([name, variant, f"{ms:.1f}", f"{eager_ms / ms:.2f}x", f"{p.prepare_s:.2f}", f"{p.rel_diff:.1e}"])
+        ratio = dev.paired_ratio(times, "eager", variant)
+        rows.append([name, variant, f"{statistics.median(times[variant]):.1f}", f"{ratio:.2f}x",
+                     f"{p.prepare_s:.2f}", f"{p.rel_diff:.1e}"])
     return rows
 
 
@@ -174,7 +170,7 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="models to run (default: see --quick)")
     parser.add_argument("--rounds", type=int, help="timed calls per variant (median reported)")
     parser.add_argument("--batch", type=int, help="images per call (default: see --quick)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="wall latency or one-thread CPU time")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall", help="wall latency or one-thread CPU time")
     dev.add_arguments(parser)
     args = parser.parse_args(argv)
     device, dtype = dev.from_args(args)

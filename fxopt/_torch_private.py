@@ -10,6 +10,7 @@ import operator
 import os
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -267,13 +268,23 @@ def op_is_random(op) -> bool:
 
 
 @functools.cache
-def onednn_convolution_ops() -> tuple | None:
-    """oneDNN's weight reorder and its convolution on a reordered weight, as Inductor's CPU freezing uses them
-    (`mkldnn._reorder_convolution_weight`, `mkldnn._convolution_pointwise`); None where this torch has no oneDNN."""
+class OneDNNConvolution(NamedTuple):
+    """oneDNN's CPU convolution ops, as Inductor's CPU freezing uses them."""
+
+    reorder: Callable  # mkldnn._reorder_convolution_weight: a weight into oneDNN's blocked layout
+    convolve: Callable  # mkldnn._convolution_pointwise: the convolution on it, then an activation
+    convolve_add: Callable  # its .binary overload: the convolution, plus a tensor, then an activation
+
+
+@functools.cache  # looked up in every call of a prepacked convolution
+def onednn_convolution_ops() -> OneDNNConvolution | None:
+    """oneDNN's convolution ops (`OneDNNConvolution`); None where this torch has no oneDNN."""
     if not torch.backends.mkldnn.is_available():
         return None
     try:
-        return (torch.ops.mkldnn._reorder_convolution_weight.default, torch.ops.mkldnn._convolution_pointwise.default)
+        ops = torch.ops.mkldnn
+        return OneDNNConvolution(ops._reorder_convolution_weight.default, ops._convolution_pointwise.default,
+                                 ops._convolution_pointwise.binary)
     except (AttributeError, RuntimeError):
         return None
 

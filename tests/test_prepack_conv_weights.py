@@ -77,13 +77,14 @@ def _onednn_convolutions(optimized) -> int:
 
 def test_every_channels_last_convolution_is_prepacked_and_computes_eagers_values():
     """All three convolutions (the folded one, a depthwise and a strided 1x1) run oneDNN's convolution on a
-    reordered weight, the first with its ReLU inside; outputs and their strides equal eager's, and no buffer
-    changes."""
+    reordered weight, the first with its ReLU inside, the depthwise one with the residual add; outputs and their
+    strides equal eager's, and no buffer changes."""
     model = _model()
     optimized = _optimized(model)
     report = optimized.fxopt_report["prepack_conv_weights"]
-    assert report.stats == {"prepacked": 3, "fused": 1} and _onednn_convolutions(optimized) == 3
-    assert not any(n.target is torch.ops.aten.relu_.default for n in optimized.graph_module.graph.nodes)
+    assert report.stats == {"prepacked": 3, "fused": 2} and _onednn_convolutions(optimized) == 3
+    assert not any(n.target in (torch.ops.aten.relu_.default, torch.ops.aten.add.Tensor)
+                   for n in optimized.graph_module.graph.nodes)
     _assert_like_eager(model, optimized, IMAGES)
 
 
@@ -112,17 +113,58 @@ def test_relu6_and_hardtanh_run_inside_the_convolution_where_nothing_else_reads_
     _assert_like_eager(model, optimized, (IMAGES[0] * 4,))
 
 
+class Residuals(nn.Module):
+    """Additions after convolutions: ResNet's (the downsampling convolution added, then a ReLU), one into the
+    convolution's output in place (`out += x`), one the other way round (`x += conv(x)`: it writes into `x`), one
+    with alpha 2, one of a broadcast tensor, and one whose other operand is written in place between the convolution
+    and the addition."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(7))
+        self.stem = nn.Conv2d(3, 8, 1)
+
+    def forward(self, x):
+        x = self.stem(x.contiguous(memory_format=torch.channels_last)) * 1
+        x = F.relu(self.convs[0](x) + self.convs[1](x))
+        y = self.convs[2](x)
+        y += x
+        x = x * 1
+        x += self.convs[3](y)
+        y = torch.add(self.convs[4](x), y, alpha=2)
+        y = self.convs[5](y) + self.stem.bias.view(1, 8, 1, 1)
+        z = self.convs[6](y)
+        y.relu_()
+        return z + y
+
+
+def test_a_residual_addition_and_its_relu_run_inside_the_convolution_where_that_gives_eagers_values():
+    """ResNet's addition (with the ReLU after it) and an in-place `out += x` into the convolution's output run
+    inside the oneDNN convolution; additions into another tensor, with alpha 2, of a broadcast tensor, or of a tensor
+    written between the convolution and the addition stay, and the values equal eager's."""
+    torch.manual_seed(0)
+    model = Residuals().eval()
+    optimized = fxopt.optimize(copy.deepcopy(model), IMAGES, mode="inference", passes=["prepack_conv_weights"])
+    fused = [s.detail for s in optimized.fxopt_report["prepack_conv_weights"].sites if s.action == "fused"]
+    assert len(fused) == 3, fused
+    additions = [n for n in optimized.graph_module.graph.nodes
+                 if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)]
+    assert len(additions) == 4
+    _assert_like_eager(model, optimized, IMAGES)
+    _assert_like_eager(model, optimized, (torch.randn(3, 3, 10, 14),))
+
+
 def _counting_reorders(monkeypatch) -> list:
     """Count the weight reorders the graphs run from now on."""
     from fxopt import _torch_private
 
-    reorder, convolve = _torch_private.onednn_convolution_ops()
+    ops = _torch_private.onednn_convolution_ops()
     calls = []
 
     def counted(*args):
         calls.append(1)
-        return reorder(*args)
-    monkeypatch.setattr(_torch_private, "onednn_convolution_ops", lambda: (counted, convolve))
+        return ops.reorder(*args)
+    monkeypatch.setattr(_torch_private, "onednn_convolution_ops", lambda: ops._replace(reorder=counted))
     return calls
 
 

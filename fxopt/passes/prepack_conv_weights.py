@@ -44,6 +44,8 @@ Under torch.compile it does not run: Inductor's freezing packs the weights itsel
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
@@ -51,6 +53,7 @@ from .. import _torch_private
 from ..analysis.activations import match_activation
 from ..analysis.ops import ConvCall, computed_from_state, match_conv
 from ..analysis.shapes import tensor_meta
+from ..analysis.side_effects import MUTATION, OPAQUE, STATS, effects
 from ..graph_functions import graph_function
 from ..op_names import op_name
 from .base import INFERENCE, Pass, PassContext, PassResult, site_name
@@ -63,36 +66,60 @@ def prepacked_conv_weight(weight, padding: list[int], stride: list[int], dilatio
     the weight as it is: oneDNN's layout has no fake form."""
     if _torch_private.is_fake(weight):
         return weight
-    reorder, _ = _torch_private.onednn_convolution_ops()
-    return reorder(weight, padding, stride, dilation, groups, input_size)
+    return _torch_private.onednn_convolution_ops().reorder(weight, padding, stride, dilation, groups, input_size)
 
 
 @graph_function
 def onednn_conv2d(x, packed_weight, bias, padding: list[int], stride: list[int], dilation: list[int], groups: int,
-                  activation: str = "none", bounds: tuple[float, ...] = ()):
-    """oneDNN's convolution of `x` with a weight from `prepacked_conv_weight`, and the `activation` oneDNN applies
-    to its results ("none", "relu", or "hardtanh" between `bounds`). On fake tensors, ATen's convolution and
-    activation: the same shapes and strides, and FLOPs that FlopCounterMode counts."""
+                  activation: str = "none", bounds: tuple[float, ...] = (), added=None):
+    """oneDNN's convolution of `x` with a weight from `prepacked_conv_weight`, plus the tensor `added` (of the
+    result's size and strides) where given, then the `activation` oneDNN applies to its results ("none", "relu", or
+    "hardtanh" between `bounds`; after an addition "relu" only). On fake tensors, ATen's ops: the same shapes and
+    strides, and FLOPs that FlopCounterMode counts."""
     if _torch_private.is_fake(x):
         y = torch.ops.aten.convolution.default(x, packed_weight, bias, stride, padding, dilation, False, [0, 0], groups)
+        if added is not None:
+            y = y + added
         if activation == "relu":
             return y.relu()
         return y.clamp(*bounds) if activation == "hardtanh" else y
-    _, convolve = _torch_private.onednn_convolution_ops()
-    return convolve(x, packed_weight, bias, padding, stride, dilation, groups, activation, list(bounds), "")
+    ops = _torch_private.onednn_convolution_ops()
+    if added is None:
+        return ops.convolve(x, packed_weight, bias, padding, stride, dilation, groups, activation, list(bounds), "")
+    return ops.convolve_add(x, added, packed_weight, bias, padding, stride, dilation, groups, "add", None,
+                            None if activation == "none" else activation, list(bounds), "")
 
 
 # Activations oneDNN runs inside its convolution (fxopt.analysis.activations' kinds): oneDNN's name for each, and its
-# bounds (None: the op's own `min_val` and `max_val`)
+# bounds (None: the op's own `min_val` and `max_val`). After an addition, oneDNN runs "relu" alone.
 _FUSABLE = {"relu": ("relu", ()), "relu6": ("hardtanh", (0.0, 6.0)), "hardtanh": ("hardtanh", None)}
+_ADDITIONS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+# Effects of a node between a convolution and the addition it takes in that forbid moving the convolution down to the
+# addition: they may write a tensor the convolution reads
+_WRITES = frozenset({MUTATION, STATS, OPAQUE})
 
 
-def _fusable_activation(conv: fx.Node) -> tuple[fx.Node, str, tuple[float, ...]] | None:
-    """The activation that alone reads `conv`'s output, with oneDNN's name for it and its bounds; None if none."""
-    if len(conv.users) != 1:
-        return None
-    activation = match_activation(next(iter(conv.users)))
-    if activation is None or activation.kind not in _FUSABLE or activation.input is not conv:
+@dataclasses.dataclass
+class _Epilogue:
+    """What oneDNN runs inside a convolution after it: an addition of `added`, then `activation` within `bounds`;
+    `nodes` are the graph nodes this replaces (the last one gives the result)."""
+
+    nodes: list[fx.Node] = dataclasses.field(default_factory=list)
+    added: fx.Node | None = None
+    activation: str = "none"
+    bounds: tuple[float, ...] = ()
+
+
+def _sole_reader(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _fusable_activation(node: fx.Node, kinds=tuple(_FUSABLE)) -> tuple[fx.Node, str, tuple[float, ...]] | None:
+    """The activation of one of `kinds` that alone reads `node`'s output, with oneDNN's name for it and its bounds;
+    None if none."""
+    reader = _sole_reader(node)
+    activation = match_activation(reader) if reader is not None else None
+    if activation is None or activation.kind not in kinds or activation.input is not node:
         return None
     post_op, bounds = _FUSABLE[activation.kind]
     if bounds is None:
@@ -100,6 +127,46 @@ def _fusable_activation(conv: fx.Node) -> tuple[fx.Node, str, tuple[float, ...]]
         if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds):
             return None  # computed in the graph
     return activation.node, post_op, tuple(float(b) for b in bounds)
+
+
+def _fusable_addition(conv: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, fx.Node] | None:
+    """The addition that alone reads `conv`'s output, and the tensor it adds, where oneDNN can add it inside the
+    convolution and give eager's values and strides; None if none.
+
+    oneDNN adds a tensor of the output's size and layout, with alpha 1 (IEEE addition is commutative, so either
+    operand may be the convolution); `x += conv` writes into the other tensor and is left alone. The fused op runs
+    where the addition is, so nothing between the two may write a tensor the convolution reads."""
+    add = _sole_reader(conv)
+    if add is None or add.op != "call_function" or add.target not in _ADDITIONS:
+        return None
+    bound = _torch_private.bind_aten_arguments(add.target, add.args, add.kwargs)
+    if bound.get("alpha", 1) != 1 or (add.target is torch.ops.aten.add_.Tensor and bound["self"] is not conv):
+        return None
+    other = bound["other"] if bound["self"] is conv else bound["self"]
+    out, added, total = tensor_meta(conv), tensor_meta(other) if isinstance(other, fx.Node) else None, tensor_meta(add)
+    if other is conv or added is None or total is None or not all(
+            t.shape == out.shape and t.dtype == out.dtype and t.device == out.device
+            and t.is_contiguous(memory_format=torch.channels_last) for t in (added, total)):
+        return None
+    node = conv.next
+    while node is not add:
+        if effects(node, gm) & _WRITES:
+            return None
+        node = node.next
+    return add, other
+
+
+def _epilogue(conv: fx.Node, gm: fx.GraphModule) -> _Epilogue:
+    """The nodes after `conv` that oneDNN can run inside it (module docstring)."""
+    addition = _fusable_addition(conv, gm)
+    if addition is None:
+        activation = _fusable_activation(conv)
+        return _Epilogue([activation[0]], None, *activation[1:]) if activation else _Epilogue()
+    add, other = addition
+    activation = _fusable_activation(add, kinds=("relu",))
+    if activation is None:
+        return _Epilogue([add], other)
+    return _Epilogue([add, activation[0]], other, *activation[1:])
 
 
 def _pair(value) -> list[int]:
@@ -143,24 +210,25 @@ _DETAILS = {
 }
 
 
-def _prepack(graph: fx.Graph, conv: ConvCall, fused: tuple | None) -> fx.Node:
-    """`conv` replaced by oneDNN's convolution on its reordered weight, with the activation `fused` (from
-    `_fusable_activation`) run inside it and taken out of the graph."""
+def _prepack(graph: fx.Graph, conv: ConvCall, epilogue: _Epilogue) -> fx.Node:
+    """`conv` replaced by oneDNN's convolution on its reordered weight, with the `epilogue` run inside it and taken
+    out of the graph."""
     stride, dilation, padding = _pair(conv.stride), _pair(conv.dilation), _explicit_padding(conv)
     sizes = [int(s) if isinstance(s, int) else None for s in tensor_meta(conv.input).shape]
-    activation, post_op = (fused[0], fused[1:]) if fused else (None, ())
     with graph.inserting_before(conv.node):
         weight = graph.call_function(prepacked_conv_weight, (conv.weight, padding, stride, dilation, conv.groups,
                                                              None if None in sizes else sizes))
+    with graph.inserting_before(epilogue.nodes[0] if epilogue.added is not None else conv.node):
         packed = graph.call_function(onednn_conv2d, (conv.input, weight, conv.bias, padding, stride, dilation,
-                                                     conv.groups, *post_op))
+                                                     conv.groups, epilogue.activation, epilogue.bounds,
+                                                     epilogue.added))
     weight.meta["val"] = tensor_meta(conv.weight)  # its shape; the values take oneDNN's layout at run time
+    replaced = [conv.node, *epilogue.nodes]
     packed.meta.update(conv.node.meta)
-    if activation is not None:
-        activation.replace_all_uses_with(packed)
-        graph.erase_node(activation)
-    conv.node.replace_all_uses_with(packed)
-    graph.erase_node(conv.node)
+    packed.meta["val"] = replaced[-1].meta.get("val")
+    replaced[-1].replace_all_uses_with(packed)
+    for node in reversed(replaced):
+        graph.erase_node(node)
     return packed
 
 
@@ -192,11 +260,11 @@ def prepack_convolutions(gm: fx.GraphModule, constant_inputs: frozenset[str],
             result.record("refused", node, reason, f"{site_name(node)}: {_DETAILS[reason]}")
             continue
         result.record("prepacked", node, detail=f"{site_name(node)}: weight reordered for oneDNN, once frozen")
-        fused = _fusable_activation(node)
-        if fused is not None:
-            result.record("fused", fused[0], detail=f"{site_name(fused[0])}: {op_name(fused[0])} runs inside "
-                                                    f"{site_name(node)}'s oneDNN convolution")
-        _prepack(gm.graph, conv, fused)
+        epilogue = _epilogue(node, gm)
+        for fused in epilogue.nodes:
+            result.record("fused", fused, detail=f"{site_name(fused)}: {op_name(fused)} runs inside "
+                                                 f"{site_name(node)}'s oneDNN convolution")
+        _prepack(gm.graph, conv, epilogue)
     if result.changed:
         gm.recompile()
     return gm
