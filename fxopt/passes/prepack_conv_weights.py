@@ -9,8 +9,11 @@ What it rewrites::
     y = aten.conv2d(x, w, ...);  z = aten.relu_(y)      ->  z = onednn_conv2d(x, w_packed, ..., "relu")
     (relu6 and hardtanh likewise: oneDNN's "hardtanh" with their bounds)
 
-(fxopt graph helpers around `mkldnn._reorder_convolution_weight` and `mkldnn._convolution_pointwise`,
-declared so that fxopt's analyses know they write nothing and alias nothing)
+    y = aten.conv2d(x, w, ...);  s = aten.add(y, r);  z = aten.relu_(s)
+        ->  z = onednn_conv2d(x, w_packed, ..., "relu", added=r)      (ResNet's residual addition)
+
+(fxopt graph helpers around `mkldnn._reorder_convolution_weight` and `mkldnn._convolution_pointwise`, its
+`.binary` overload with an addition, declared so that fxopt's analyses know they write nothing and alias nothing)
 
 for 2-D convolutions (`aten.conv2d`, or `aten.convolution` not transposed) on the CPU in float32 whose
 weight and bias are computed from the model's parameters and buffers alone (the weights as they
@@ -20,7 +23,7 @@ Why it pays: ATen's CPU convolution runs oneDNN, which first copies the weight i
 layout on every call. Reordered in the graph, that copy depends on the parameters alone, so the
 eager path's freezing (fxopt.frontends.backend.FrozenInference) makes it once; the graph then
 runs the oneDNN convolution directly, as Inductor's freezing and `torch.jit.optimize_for_inference`
-do (ResNet-50 at batch 4, two threads: 1.14x eager's speed before, 1.31-1.42x after; figures in
+do (ResNet-50 at batch 4, two threads: 1.14x eager's speed before, 1.23-1.42x after; figures in
 docs/benchmarks.md). Where a parameter changes after freezing, the unfrozen graph reorders on
 every call, as ATen does inside.
 
@@ -30,7 +33,10 @@ same up to oneDNN's choice of kernel. Its output is channels-last, as ATen's is 
 channels-last input, so every later op sees eager's strides (checked on the fake values). An
 activation is fused only where it is the convolution output's one reader: oneDNN applies the same
 elementwise function to each result as it writes it, and nothing else could have seen the value
-before it. The rewrite is for inference graphs only: the oneDNN op has no derivative.
+before it. An addition that alone reads a convolution is fused likewise (`_fusable_addition` says when: the added
+tensor of the output's size and layout, alpha 1, no write into the other operand, no write between the two; then a
+ReLU that alone reads the sum); oneDNN adds the bias first, then the tensor, as eager does. The rewrite is for
+inference graphs only: the oneDNN op has no derivative.
 
 When it refuses (reason in the report):
   not_channels_last   the input is not channels-last: the oneDNN op would return channels-last
