@@ -22,10 +22,11 @@ recompile: the first call at a second length (Dynamo's recompile, which makes th
 batch 8) after a first compile at 37, timed in a fresh interpreter per variant and pair (fxopt, then Dynamo alone),
 so neither inherits the other's warm caches (in one process the variant that compiles second runs faster).
 
-overhead: a 2-layer MLP at batch 1 (the call is mostly the per-call cost): eager, fxopt and Dynamo alone; and
-a model whose every line breaks the graph (fxopt cannot optimize it): fxopt against eager; and BERT (4 layers,
-batch 8 x 64) past Dynamo's recompile limit (an int attribute its forward reads changes every call), where every
-call runs as the model's own code: fxopt against eager, the fixed per-call cost against a real model's call.
+overhead: a 2-layer MLP at batch 1 (the call is mostly the per-call cost): eager, fxopt and Dynamo alone; a
+forward whose first line breaks the graph (a linear layer after it is captured: Dynamo's cost of a graph break);
+a forward disabled for Dynamo (it captures nothing: the calls fxopt cannot optimize); and BERT (4 layers, batch
+8 x 64) past Dynamo's recompile limit (an int attribute its forward reads changes every call), where every call
+runs as the model's own code: fxopt against eager, the fixed per-call cost against a real model's call.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import argparse
 import copy
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn as nn
@@ -167,10 +169,22 @@ def overhead(calls: int) -> None:
             torch._dynamo.graph_break()
             return self.lin(x)
 
-    opaque = Unoptimizable().eval()
-    cases = {"MLP, guards hold": (mlp, {"fxopt": fxopt.optimize(mlp, x),
-                                       "Dynamo alone": torch.compile(copy.deepcopy(mlp), backend="eager")}),
-             "every line breaks the graph": (opaque, {"fxopt": fxopt.optimize(opaque, x)})}
+    class Uncapturable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 4)
+
+        @torch._dynamo.disable
+        def forward(self, x):
+            return self.lin(x)
+
+    breaking, uncapturable = Unoptimizable().eval(), Uncapturable().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fxopt's one warning: nothing captured
+        cases = {"MLP, guards hold": (mlp, {"fxopt": fxopt.optimize(mlp, x),
+                                           "Dynamo alone": torch.compile(copy.deepcopy(mlp), backend="eager")}),
+                 "graph break at the first line": (breaking, {"fxopt": fxopt.optimize(breaking, x)}),
+                 "Dynamo captures nothing": (uncapturable, {"fxopt": fxopt.optimize(uncapturable, x)})}
     rows = []
     with torch.no_grad():
         for case, (model, variants) in cases.items():
@@ -201,7 +215,6 @@ class _ScaledBert(nn.Module):
 def _past_recompile_limit(calls: int) -> list:
     """Per-call time of BERT once every call is past the recompile limit (a scale never seen before), fxopt and
     eager interleaved."""
-    import warnings
 
     model = _ScaledBert().eval()
     ids, mask = _batch(64)

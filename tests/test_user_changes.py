@@ -483,3 +483,73 @@ def test_a_model_dynamo_captures_nothing_of_runs_as_eager_with_one_warning():
         got = fast(x)
     torch.testing.assert_close(got, model(x))
     assert fast.fxopt_reports == []
+
+
+@torch._dynamo.disable
+def _conv_relu_unseen(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return conv(x).relu()
+
+
+class _Switchable(nn.Module):
+    """Dynamo captures nothing while `opaque` is set (the work runs in a function disabled for it), a graph after."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.opaque = True
+
+    def forward(self, x):
+        return _conv_relu_unseen(self.conv, x) if self.opaque else self.conv(x).relu()
+
+
+def _count_dynamo_calls(fast, monkeypatch) -> list:
+    """Count the calls of `fast` that go through Dynamo's compiled module from now on."""
+    compiled, calls = fast.__dict__["_compiled"], []
+    through_dynamo = compiled.forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return through_dynamo(*args, **kwargs)
+    monkeypatch.setattr(compiled, "forward", counted)
+    return calls
+
+
+def test_calls_that_run_no_graph_call_the_model_itself_and_dynamo_is_tried_again_now_and_then(monkeypatch):
+    """After EAGER_AFTER calls in a row that ran none of fxopt's graphs, the result calls the model itself (eager's
+    cost, not Dynamo's frame callback), one call in RETRY_EVERY still through Dynamo; every call computes eager's
+    result and runs the hooks."""
+    from fxopt.frontends.result import EAGER_AFTER, RETRY_EVERY
+
+    torch.manual_seed(0)
+    model, x = _Switchable().eval(), _x()
+    with pytest.warns(UserWarning, match="nothing in this call"):
+        fast = fxopt.optimize(model, x)
+    through_dynamo, hooked = _count_dynamo_calls(fast, monkeypatch), []
+    fast.conv.register_forward_hook(lambda *_: hooked.append(1))
+    calls = 3 * RETRY_EVERY
+    for _ in range(calls):
+        torch.testing.assert_close(fast(x), model(x))
+    assert len(hooked) == calls  # the result stands for its own copy of an inference model
+    assert len(through_dynamo) == EAGER_AFTER - 1 + 3  # the example's call was the first; then calls 16, 32 and 48
+    assert fast.fxopt_reports == []
+
+
+def test_once_a_graph_fits_again_every_call_goes_through_dynamo(monkeypatch):
+    """A model that Dynamo could not capture, changed so that it can: within RETRY_EVERY calls a graph is compiled
+    and runs, and from then on every call goes through Dynamo, with eager's results."""
+    from fxopt.frontends.result import EAGER_AFTER, RETRY_EVERY
+
+    torch.manual_seed(0)
+    model, x = _Switchable().eval(), _x()
+    with pytest.warns(UserWarning, match="nothing in this call"):
+        fast = fxopt.optimize(model, x)
+    for _ in range(EAGER_AFTER):
+        fast(x)
+    fast.opaque = False
+    for _ in range(RETRY_EVERY):
+        torch.testing.assert_close(fast(x), model(x))
+    assert len(fast.fxopt_reports) == 1
+    through_dynamo = _count_dynamo_calls(fast, monkeypatch)
+    for _ in range(5):
+        torch.testing.assert_close(fast(x), model(x))
+    assert len(through_dynamo) == 5

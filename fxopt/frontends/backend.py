@@ -166,6 +166,7 @@ class FxoptBackend:
         self.reports: list[Report] = []
         self.graph_modules: list[fx.GraphModule] = []
         self.graph_inputs: list[list] = []  # per graph module, the inputs it was compiled on, held weakly
+        self.graph_calls = 0  # calls of its compiled graphs so far: whether a model's call ran any (OptimizedModule)
         self.keeping = Keeping(self.reports.append, self._keep_graph, StepLedger(lambda: self.options.memory_budget))
 
     @classmethod
@@ -176,7 +177,12 @@ class FxoptBackend:
         return backend
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
-        return _forward_of(compile_graph(gm, list(example_inputs), self.options, self.keeping))
+        run = _forward_of(compile_graph(gm, list(example_inputs), self.options, self.keeping))
+
+        def counted(*args):
+            self.graph_calls += 1
+            return run(*args)
+        return counted
 
     def _keep_graph(self, graph: fx.GraphModule, inputs: list) -> None:
         self.graph_modules.append(graph)

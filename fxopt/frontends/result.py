@@ -10,7 +10,10 @@ Every call goes through `torch.compile(original, backend=<fxopt>)`. Dynamo's gua
 call, whether a compiled graph fits: a new padded length makes that dimension dynamic (one more
 compile, then every length); `train()`/`eval()`, a hook, a changed attribute, another dtype, grad
 mode or autocast recompile; code Dynamo cannot trace runs in Python between graphs (a graph
-break); past Dynamo's recompile limit a new variant runs as written, with one warning. fxopt's backend optimizes each
+break); past Dynamo's recompile limit a new variant runs as written, with one warning. Where eight calls in a row
+ran none of fxopt's graphs (Dynamo captured nothing, or nothing compiled fits), the result calls the model itself,
+at eager's cost instead of Dynamo's per-frame work, and sends one call in sixteen through Dynamo to see whether a
+graph fits again (`EAGER_AFTER`, `RETRY_EVERY`). fxopt's backend optimizes each
 graph Dynamo hands it (fxopt/frontends/backend.py) and keeps one `Report` per graph
 (`fxopt_reports`; `fxopt_report` is the latest). What fxopt bakes in, Dynamo does not guard: an
 inference graph's frozen constants (folded weights) are checked on every call against the parameters'
@@ -40,6 +43,12 @@ from ..user_code import warn_at_users_line
 from .backend import FxoptBackend
 
 
+# After this many calls in a row that ran no compiled graph (Dynamo captured nothing, or past its recompile limit
+# nothing compiled fits), the result calls the model itself, at eager's cost rather than Dynamo's frame callback's;
+# one call in RETRY_EVERY still goes through Dynamo, and back to it for good once a graph runs there.
+EAGER_AFTER, RETRY_EVERY = 8, 16
+
+
 class OptimizedModule(torch.nn.Module):
     """See the module docstring."""
 
@@ -51,6 +60,7 @@ class OptimizedModule(torch.nn.Module):
         d.update(_parameters=original._parameters, _buffers=original._buffers, _modules=original._modules,
                  _non_persistent_buffers_set=original._non_persistent_buffers_set)
         d["_backend"] = backend
+        d["_calls_without_graphs"] = 0  # calls in a row that ran none of fxopt's graphs (`forward`)
         d["_compiled"], d["_settings_at_compile"] = _torch_private.compile_with_settings(
             original, backend, self._warn_recompile_limit, backend.keeping.graph_breaks.converting)
         forward = _forward_with_signature_of(original)
@@ -60,12 +70,20 @@ class OptimizedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if _torch_private.is_compiling():  # an outer torch.compile / torch.export traces the model itself
             return self.original(*args, **kwargs)
+        d = self.__dict__
+        streak = d["_calls_without_graphs"]
+        if streak >= EAGER_AFTER and streak % RETRY_EVERY:  # fxopt has nothing for these calls: eager's own cost
+            d["_calls_without_graphs"] = streak + 1
+            return self.original(*args, **kwargs)
+        graph_calls = self._backend.graph_calls
         if not self._settings_at_compile:  # a torch whose frame callback fxopt cannot wrap: settings on every call
             with _torch_private.settings_applied(self._warn_recompile_limit), \
                     self._backend.keeping.graph_breaks.converting():  # hooks guarded, NumPy's stream, ...
-                return self._run(self._compiled, args, kwargs)
-        # the compiled module's own forward: its Module.__call__ adds only a layer with no hooks of its own
-        return self._run(self._compiled.forward, args, kwargs)
+                outputs = self._run(self._compiled, args, kwargs)
+        else:  # the compiled module's own forward: its Module.__call__ adds only a layer with no hooks of its own
+            outputs = self._run(self._compiled.forward, args, kwargs)
+        d["_calls_without_graphs"] = streak + 1 if self._backend.graph_calls == graph_calls else 0
+        return outputs
 
     def _run(self, call, args: tuple, kwargs: dict):
         """`call(*args, **kwargs)`, a failure inside fxopt's backend raised in fxopt's words; warns once while Dynamo
@@ -97,7 +115,8 @@ class OptimizedModule(torch.nn.Module):
         _, limit = _torch_private.recompile_limit_hits()
         warn_at_users_line(f"fxopt: part or all of a call of {type(self.original).__name__} ran as eager runs it: "
                            f"TorchDynamo reached its recompile limit ({limit}); calls that match a graph compiled "
-                           f"before stay optimized. TORCH_LOGS=recompiles names what changed each time (a float "
+                           f"before stay optimized (after {EAGER_AFTER} calls in a row that matched none, one call in "
+                           f"{RETRY_EVERY} is tried). TORCH_LOGS=recompiles names what changed each time (a float "
                            f"computed anew each call is a common cause); raise the limit if the variants are few")
 
     # ---- what fxopt did --------------------------------------------------------------------------
