@@ -274,6 +274,7 @@ class OneDNNConvolution(NamedTuple):
     reorder: Callable  # mkldnn._reorder_convolution_weight: a weight into oneDNN's blocked layout
     convolve: Callable  # mkldnn._convolution_pointwise: the convolution on it, then an activation
     convolve_add: Callable  # its .binary overload: the convolution, plus a tensor, then an activation
+    convolve_add_: Callable  # mkldnn._convolution_pointwise_.binary: the same, written into that tensor
 
 
 @functools.cache  # looked up in every call of a prepacked convolution
@@ -284,7 +285,7 @@ def onednn_convolution_ops() -> OneDNNConvolution | None:
     try:
         ops = torch.ops.mkldnn
         return OneDNNConvolution(ops._reorder_convolution_weight.default, ops._convolution_pointwise.default,
-                                 ops._convolution_pointwise.binary)
+                                 ops._convolution_pointwise.binary, ops._convolution_pointwise_.binary)
     except (AttributeError, RuntimeError):
         return None
 

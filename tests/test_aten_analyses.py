@@ -82,6 +82,22 @@ def test_copy_into_a_buffer_is_a_mutation():
     assert effects(n["copy_"], gm) == {MUTATION} and not removable_if_unused(n["copy_"], gm)
 
 
+def test_an_in_place_op_writes_only_the_arguments_its_schema_writes():
+    """`aten.add_(x, buffer)` writes `x`, not the buffer it reads; `aten.copy_(buffer, x)` writes the buffer; a
+    train-mode batch norm (a statistics update) may write every input, the buffer it reads included."""
+    from fxopt.analysis.written_state import written_state
+
+    def written(build) -> set:
+        gm, _ = graph_of(build)
+        return written_state(gm)
+
+    assert written(lambda g, x, y, b: {"add_": g.call_function(aten.add_.Tensor, (x, b))}) == {"x"}
+    into_buffer = written(lambda g, x, y, b: {"copy_": g.call_function(aten.copy_.default, (b, x))})
+    assert len(into_buffer) == 1 and "x" not in into_buffer  # the buffer's key: its tensor's id
+    assert "y" in written(lambda g, x, y, b: {
+        "bn": g.call_function(aten.batch_norm.default, (x, y, None, b, b, True, 0.1, 1e-5, False))})
+
+
 @pytest.mark.parametrize("training, expected", [(True, {STATS}), (False, NO_EFFECTS)])
 def test_batch_norm_updates_statistics_only_in_training(training, expected):
     """`aten.batch_norm(..., training=True)` updates its running statistics, though its schema writes nothing."""

@@ -154,6 +154,51 @@ def test_a_residual_addition_and_its_relu_run_inside_the_convolution_where_that_
     _assert_like_eager(model, optimized, (torch.randn(3, 3, 10, 14),))
 
 
+class SumsInPlace(nn.Module):
+    """Additions fused into convolutions whose added tensor: nothing reads after (a downsampling convolution's
+    output: written in place), is the forward's input, is returned as well, or is read again later."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(3, 3, 3, padding=1) for _ in range(6))
+
+    def forward(self, x):
+        y = F.relu(self.convs[0](x) + self.convs[1](x))
+        z = self.convs[2](y) + x
+        kept = self.convs[3](z) * 1
+        w = self.convs[4](z) + kept
+        again = self.convs[5](w) + z
+        return again + z.mean(), kept
+
+
+def test_a_sum_is_written_into_the_added_tensor_only_where_nothing_reads_it_after():
+    """One of four fused additions writes its sum into the added tensor's memory: not into the caller's input, an
+    output, or a tensor read later; the caller's input keeps its values, outputs equal eager's, and the eager path
+    still freezes (the in-place write reaches no parameter)."""
+    torch.manual_seed(0)
+    model = SumsInPlace().eval()
+    x = torch.randn(2, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    optimized = fxopt.optimize(copy.deepcopy(model), (x,), mode="inference", passes=["prepack_conv_weights"])
+    assert optimized.fxopt_report["prepack_conv_weights"].stats == {"prepacked": 6, "fused": 5, "summed_in_place": 1}
+    before = x.clone()
+    with torch.no_grad():
+        got, expected = optimized(x), model(x)
+    torch.testing.assert_close(got, expected, **TOLERANCE)
+    torch.testing.assert_close(x, before, rtol=0, atol=0)
+
+
+def test_summing_in_place_keeps_the_weights_frozen(monkeypatch):
+    """Frozen with a sum written in place, calls reorder no weight: the write is seen to reach no parameter."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    optimized = fxopt.optimize(SumsInPlace().eval(), (x,), mode="inference", passes=["prepack_conv_weights"])
+    reorders = _counting_reorders(monkeypatch)
+    with torch.no_grad():
+        for _ in range(3):
+            optimized(x)
+    assert not reorders
+
+
 def _counting_reorders(monkeypatch) -> list:
     """Count the weight reorders the graphs run from now on."""
     from fxopt import _torch_private

@@ -108,6 +108,11 @@ class AliasInfo:
         self._parent[self._root(a)] = self._root(b)
         self._groups = None
 
+    def replaced(self, old: fx.Node, new: fx.Node) -> None:
+        """Record that `new` took `old`'s place in the graph: its position, and whatever `old` may share storage with."""
+        self._order[new] = self._order[old]
+        self.merge(new, old)
+
     def aliases(self, node: fx.Node) -> list[fx.Node]:
         """Every node of the graph that may share storage with `node` (itself included), in graph order."""
         if self._groups is None:  # one pass over the graph for every later call until the next merge
