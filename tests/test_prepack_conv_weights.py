@@ -7,6 +7,7 @@ report, including each case where the pass must leave a convolution alone.
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
@@ -197,6 +198,60 @@ def test_summing_in_place_keeps_the_weights_frozen(monkeypatch):
         for _ in range(3):
             optimized(x)
     assert not reorders
+
+
+class RandomResidualNet(nn.Module):
+    """Random convolutions (alone, or added to an earlier value on either side, with or without a ReLU after),
+    additions, ReLUs and in-place scalings over earlier values (seeded): the places where an addition may or may not
+    be fused into a convolution, or written into the added tensor."""
+
+    KINDS = ("conv", "conv+", "+conv", "conv+relu", "add", "relu", "scale_")
+
+    def __init__(self, seed: int):
+        super().__init__()
+        rng = random.Random(seed)
+        self.convs = nn.ModuleList(nn.Conv2d(4, 4, k, padding=k // 2) for k in rng.choices([1, 3], k=8))
+        self.steps = []  # (kind, conv index, input, other)
+        for count in range(1, len(self.convs) + 1):
+            kind = rng.choice(self.KINDS)
+            scaled = rng.randrange(1, count) if count > 1 else 0  # never the caller's input
+            self.steps.append((kind, count - 1, rng.randrange(count), scaled if kind == "scale_" else rng.randrange(count)))
+        last = len(self.steps)
+        self.outputs = sorted({last, *rng.sample(range(1, last + 1), k=rng.randint(0, 2))})
+
+    def forward(self, x):
+        values = [x]
+        for kind, conv, a, b in self.steps:
+            if kind == "conv":
+                values.append(self.convs[conv](values[a]))
+            elif kind == "conv+":
+                values.append(self.convs[conv](values[a]) + values[b])
+            elif kind == "+conv":
+                values.append(values[b] + self.convs[conv](values[a]))
+            elif kind == "conv+relu":
+                values.append(F.relu(self.convs[conv](values[a]) + values[b]))
+            elif kind == "add":
+                values.append(values[a] + values[b])
+            elif kind == "relu":
+                values.append(F.relu(values[a]))
+            else:  # scaled in place: later readers see the new values, in eager as in fxopt
+                values.append(values[b].mul_(0.5) if b > 0 else values[b] * 0.5)
+        return tuple(values[i] for i in self.outputs)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_residual_networks_compute_eagers_values_and_leave_the_input_alone(seed):
+    """Over random networks of convolutions, additions, ReLUs and in-place writes (channels-last float32), the
+    prepacked graph with its fused and in-place sums gives eager's outputs and leaves the caller's input as it was."""
+    torch.manual_seed(seed)
+    model = RandomResidualNet(seed).eval()
+    x = torch.randn(2, 4, 6, 6).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        optimized = fxopt.optimize(copy.deepcopy(model), (x,), mode="inference", passes=["prepack_conv_weights"])
+        before = x.clone()
+        got, expected = optimized(x), model(x.clone())
+    torch.testing.assert_close(got, expected, **TOLERANCE)
+    torch.testing.assert_close(x, before, rtol=0, atol=0)
 
 
 def _counting_reorders(monkeypatch) -> list:
