@@ -261,13 +261,20 @@ def op_is_mutable(op) -> bool:
     return schema is not None and schema.is_mutable
 
 
+def written_arguments(op) -> tuple[str, ...]:
+    """The names of the arguments an ATen operator's schema writes into (`self` of `add_`, `out` of `add.out`)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+
+
 def op_is_random(op) -> bool:
     """Whether an ATen operator draws from the random generator."""
     op = getattr(op, "default", op)
     return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
 
 
-@functools.cache
 class OneDNNConvolution(NamedTuple):
     """oneDNN's CPU convolution ops, as Inductor's CPU freezing uses them."""
 

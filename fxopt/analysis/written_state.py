@@ -50,10 +50,10 @@ def _inputs_written(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
     statistics update, an opaque call, a write Python makes) may write every input."""
     if node.op != "call_function" or effects(node, gm) != {MUTATION}:
         return node.all_input_nodes
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None:
+    names = _torch_private.written_arguments(node.target)
+    if names:
         bound = _torch_private.bind_aten_arguments(node.target, node.args, node.kwargs)
-        values = [bound.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        values = [bound.get(name) for name in names]
         return [n for v in values for n in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(n, fx.Node)]
     helper = declared(node.target)
     if helper is not None and helper.mutates and is_inplace_op(helper.name) and isinstance(node.args[0], fx.Node):

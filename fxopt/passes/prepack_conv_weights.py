@@ -303,9 +303,11 @@ def _sum_in_place(gm: fx.GraphModule, result: PassResult) -> None:
     input, a parameter or buffer, an output, read after the convolution, or read by it (its input)."""
     aliases = AliasInfo(gm)
     for node in list(gm.graph.nodes):
-        if node.target is not onednn_conv2d or len(node.args) < 10 or node.args[9] is None:
+        if node.target is not onednn_conv2d:
             continue
-        x, *settings, added = node.args
+        x, *settings, added = node.args  # as `_prepack` gives them: every argument, `added` last
+        if added is None:
+            continue
         sharing = aliases.aliases(added)
         if (x in sharing or has_internal_overlap(added)
                 or any(a.op in ("placeholder", "get_attr") or aliases.value_reads_after(a, node) for a in sharing)):
